@@ -1,0 +1,145 @@
+"""The engine bundle: the contract between the exporter (which writes it) and the engines.
+
+A bundle is a folder holding manifest.json and one subfolder per role (draft/, target/) with the
+graph files and the tokenizer. The manifest records every file's sha256; loading refuses, with a
+message naming the problem, anything missing, altered, of an unknown format, or a draft/target
+pair whose vocabularies differ. Bundles are written into a temporary sibling folder and renamed
+into place, so an interrupted build never leaves half a bundle.
+
+Hashing gigabytes at every load would dominate start-up, so a successful full check leaves a
+stamp (each file's size and mtime, keyed by the manifest's own hash), as git's index does; later
+loads re-hash only files whose stamp changed. `inspect` always re-hashes everything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from specrt.errors import BundleError
+from specrt.files import sha256_file, write_json_atomic
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+STAMP = ".verified.json"
+ROLES = ("draft", "target")
+
+
+@dataclass(frozen=True)
+class Role:
+    """One model of the pair as the engines see it."""
+
+    name: str
+    folder: Path
+    info: dict
+
+    @property
+    def graph(self) -> Path:
+        return self.folder / self.info["graph"]
+
+    @property
+    def tokenizer_file(self) -> Path:
+        return self.folder / "tokenizer.json"
+
+    def dim(self, key: str) -> int:
+        return int(self.info["shape"][key])
+
+
+@dataclass(frozen=True)
+class Bundle:
+    path: Path
+    manifest: dict
+
+    @property
+    def max_context(self) -> int:
+        return int(self.manifest["max_context"])
+
+    @property
+    def max_draft(self) -> int:
+        return int(self.manifest["max_draft"])
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return list(self.manifest["eos_token_ids"])
+
+    def role(self, name: str) -> Role:
+        return Role(name, self.path / name, self.manifest["roles"][name])
+
+    @classmethod
+    def load(cls, path: str | Path, *, full_check: bool = False) -> Bundle:
+        """Validate and open a bundle; full_check re-hashes every file, ignoring the stamp."""
+        folder = Path(path)
+        manifest = read_manifest(folder)
+        check_pair(manifest)
+        check_files(folder, manifest, full=full_check)
+        return cls(folder, manifest)
+
+
+def read_manifest(folder: Path) -> dict:
+    file = folder / MANIFEST
+    if not folder.is_dir():
+        raise BundleError(f"{folder}: no such bundle folder")
+    if not file.is_file():
+        raise BundleError(f"{folder}: not a bundle (no {MANIFEST}); build one with `specrt build`")
+    try:
+        manifest = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise BundleError(f"{file}: manifest is not valid JSON ({err})") from err
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise BundleError(
+            f"{file}: bundle format version {version!r} is not supported by this specrt "
+            f"(it reads version {FORMAT_VERSION}); rebuild the bundle or upgrade specrt"
+        )
+    missing = [r for r in ROLES if r not in manifest.get("roles", {})]
+    if missing:
+        raise BundleError(f"{file}: manifest has no entry for role(s) {', '.join(missing)}")
+    return manifest
+
+
+def check_pair(manifest: dict) -> None:
+    """The draft must speak the target's vocabulary, or its proposals mean other words."""
+    draft, target = manifest["roles"]["draft"], manifest["roles"]["target"]
+    dv, tv = draft["shape"]["vocab_size"], target["shape"]["vocab_size"]
+    if dv != tv:
+        raise BundleError(
+            f"draft and target vocabularies differ: draft has {dv} logits, "
+            f"target has {tv}; speculation needs one shared vocabulary"
+        )
+    if draft["tokenizer_sha256"] != target["tokenizer_sha256"]:
+        raise BundleError(
+            "draft and target tokenizers differ (their tokenizer.json vocabularies "
+            "do not match); speculation needs one shared tokenizer"
+        )
+
+
+def check_files(folder: Path, manifest: dict, *, full: bool) -> None:
+    manifest_hash = sha256_file(folder / MANIFEST)
+    stamp = {} if full else _read_stamp(folder, manifest_hash)
+    seen = {}
+    for role in ROLES:
+        for rel, expected in manifest["roles"][role]["files"].items():
+            path = folder / role / rel
+            name = f"{role}/{rel}"
+            if not path.is_file():
+                raise BundleError(f"{folder}: file {name} is missing")
+            stat = path.stat()
+            key = [stat.st_size, stat.st_mtime_ns]
+            if stamp.get(name) != key and sha256_file(path) != expected:
+                raise BundleError(
+                    f"{folder}: file {name} does not match its recorded sha256 "
+                    "(corrupted or modified); rebuild the bundle"
+                )
+            seen[name] = key
+    with contextlib.suppress(OSError):  # a read-only bundle still loads, just hashes again
+        write_json_atomic(folder / STAMP, {"manifest_sha256": manifest_hash, "files": seen})
+
+
+def _read_stamp(folder: Path, manifest_hash: str) -> dict:
+    try:
+        stamp = json.loads((folder / STAMP).read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return stamp.get("files", {}) if stamp.get("manifest_sha256") == manifest_hash else {}

@@ -1,0 +1,109 @@
+"""ONNX Runtime engine: the bundle's graph with its KV cache preallocated and updated in place.
+
+Each layer's key/value buffer is one OrtValue of [1, kv_heads, capacity, head_dim], bound through
+IOBinding as both the `past` input and the `present` output, so the graph scatters new entries
+into it and no step copies the cache. The current length lives in Python: rollback is setting an
+int, and the next call's attention_mask length tells the graph where to write. Logits land in a
+preallocated host buffer. Imports neither torch nor transformers.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from specrt.bundle import Bundle
+from specrt.engines.base import check_rollback, check_room
+from specrt.errors import SpecrtError
+
+DEVICE_OF_PROVIDER = {"CUDAExecutionProvider": "cuda", "TensorrtExecutionProvider": "cuda"}
+
+
+def default_threads() -> int:
+    """Decoding streams weights: one thread per core saturates memory bandwidth on small boxes."""
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+
+
+class OrtEngine:
+    def __init__(
+        self,
+        graph: Path,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        vocab_size: int,
+        capacity: int,
+        providers: Sequence[str | tuple[str, dict]] | None = None,
+        threads: int | None = None,
+    ):
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.intra_op_num_threads = threads or default_threads()
+        options.inter_op_num_threads = 1
+        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        providers = list(providers or ["CPUExecutionProvider"])
+        try:
+            self.session = ort.InferenceSession(str(graph), options, providers=providers)
+        except Exception as err:  # ORT raises its own types for corrupt or unloadable graphs
+            raise SpecrtError(f"{graph}: ONNX Runtime cannot load this graph: {err}") from err
+        first = providers[0] if isinstance(providers[0], str) else providers[0][0]
+        self.device = DEVICE_OF_PROVIDER.get(first, "cpu")
+        self.vocab_size = vocab_size
+        self.capacity = capacity
+        self._length = 0
+        self._binding = self.session.io_binding()
+        shape = [1, num_kv_heads, capacity, head_dim]
+        for i in range(num_layers):
+            for kind in ("key", "value"):
+                buffer = ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float32, self.device)
+                self._binding.bind_ortvalue_input(f"past_key_values.{i}.{kind}", buffer)
+                self._binding.bind_ortvalue_output(f"present.{i}.{kind}", buffer)
+        self._mask = np.ones((1, capacity), np.int64)
+        self._positions = np.arange(capacity, dtype=np.int64)[None]
+        self._logits = np.empty((1, 16, vocab_size), np.float32)
+
+    @classmethod
+    def from_bundle(cls, bundle: Bundle, role: str, **options) -> OrtEngine:
+        r = bundle.role(role)
+        return cls(
+            r.graph,
+            num_layers=r.dim("num_layers"),
+            num_kv_heads=r.dim("num_kv_heads"),
+            head_dim=r.dim("head_dim"),
+            vocab_size=r.dim("vocab_size"),
+            capacity=bundle.max_context,
+            **options,
+        )
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    def reset(self) -> None:
+        self._length = 0
+
+    def rollback(self, length: int) -> None:
+        check_rollback(self, length)
+        self._length = length
+
+    def forward(self, tokens: Sequence[int], last: int | None = None) -> np.ndarray:
+        count = len(tokens)
+        keep = check_room(self, count, last)
+        start, end = self._length, self._length + count
+        bind = self._binding
+        bind.bind_cpu_input("input_ids", np.asarray(tokens, dtype=np.int64)[None])
+        bind.bind_cpu_input("attention_mask", self._mask[:, :end])
+        bind.bind_cpu_input("position_ids", self._positions[:, start:end])
+        bind.bind_cpu_input("logits_to_keep", np.array([keep], dtype=np.int64))
+        if keep > self._logits.shape[1]:
+            self._logits = np.empty((1, keep, self.vocab_size), np.float32)
+        out = self._logits[:, :keep]
+        bind.bind_output("logits", "cpu", 0, np.float32, list(out.shape), out.ctypes.data)
+        self.session.run_with_iobinding(bind)
+        self._length = end
+        return out[0].copy()

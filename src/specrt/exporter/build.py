@@ -1,0 +1,152 @@
+"""Build an engine bundle from a draft and a target model source.
+
+Order matters for the user's time: the tokenizers are compared first (seconds), so a mismatched
+pair is refused before minutes are spent exporting. Models are loaded one at a time so peak
+memory is one model plus its graph, not two.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.metadata
+import json
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+
+from specrt import __version__
+from specrt.bundle import FORMAT_VERSION, MANIFEST, ROLES, check_pair
+from specrt.errors import SpecrtError
+from specrt.exporter.check import check_graph
+from specrt.exporter.graph import write_graph
+from specrt.files import atomic_dir, hash_tree, write_json_atomic
+from specrt.sources import Source, load_model, load_tokenizer
+
+Log = Callable[[str], None]
+
+
+def vocabulary_digest(tokenizer) -> str:
+    """Identity of a tokenizer's vocabulary (token -> id, added tokens included)."""
+    import hashlib
+
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    """Every id that ends generation: generation config, model config and tokenizer all count."""
+    ids: set[int] = set()
+    for value in (
+        getattr(model.generation_config, "eos_token_id", None),
+        model.config.eos_token_id,
+        tokenizer.eos_token_id,
+    ):
+        if value is not None:
+            ids.update([value] if isinstance(value, int) else value)
+    return sorted(ids)
+
+
+def _versions() -> dict:
+    names = ("torch", "transformers", "onnx", "onnxruntime", "gguf")
+    found = {}
+    for name in names:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return {"specrt": __version__, **found}
+
+
+def build_bundle(
+    draft: str,
+    target: str,
+    out: str | Path,
+    *,
+    max_draft: int = 8,
+    max_context: int = 2048,
+    force: bool = False,
+    log: Log = print,
+) -> Path:
+    """Export, check and write a bundle atomically; return its path."""
+    if not 1 <= max_draft <= 64:
+        raise SpecrtError(f"--max-draft must be between 1 and 64, got {max_draft}")
+    if max_context < max_draft + 2:
+        raise SpecrtError(f"--max-context {max_context} leaves no room for {max_draft} drafts")
+    sources = {"draft": Source.parse(draft), "target": Source.parse(target)}
+    tokenizers = {role: load_tokenizer(src) for role, src in sources.items()}
+    digests = {role: vocabulary_digest(tok) for role, tok in tokenizers.items()}
+    if digests["draft"] != digests["target"]:
+        raise SpecrtError(
+            f"draft and target tokenizers differ ({len(tokenizers['draft'])} vs "
+            f"{len(tokenizers['target'])} tokens, or different ids): speculation needs one "
+            "shared vocabulary"
+        )
+    out = Path(out)
+    roles: dict[str, dict] = {}
+    with atomic_dir(out, force=force) as tmp:
+        for role in ROLES:
+            roles[role], model = _export_role(
+                role, sources[role], tokenizers[role], digests[role], tmp / role, max_context, log
+            )
+            if role == "target":
+                eos = eos_token_ids(model, tokenizers[role])
+            del model
+            gc.collect()
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "versions": _versions(),
+            "dtype": "float32",
+            "max_context": max_context,
+            "max_draft": max_draft,
+            "profiles": {
+                "prefill": {"min_tokens": 1, "max_tokens": max_context - max_draft - 1},
+                "decode": {"min_tokens": 1, "max_tokens": 1},
+                "verify": {"min_tokens": 2, "max_tokens": max_draft + 1},
+            },
+            "eos_token_ids": eos,
+            "chat_template": tokenizers["target"].chat_template,
+            "roles": roles,
+        }
+        check_pair(manifest)
+        write_json_atomic(tmp / MANIFEST, manifest)
+        log(f"writing bundle {out}")
+    return out
+
+
+def _export_role(
+    role: str, source: Source, tokenizer, digest: str, folder: Path, max_context: int, log: Log
+):
+    started = time.perf_counter()
+    log(f"[{role}] loading {source.spec}")
+    model = load_model(source)
+    limit = getattr(model.config, "max_position_embeddings", max_context)
+    if max_context > limit:
+        raise SpecrtError(f"{role}: --max-context {max_context} exceeds the model's {limit}")
+    folder.mkdir(parents=True)
+    log(
+        f"[{role}] exporting ONNX graph ({model.config.model_type}, "
+        f"{model.config.num_hidden_layers} layers)"
+    )
+    shape = write_graph(model, folder, max_context)
+    log(f"[{role}] checking the graph against PyTorch")
+    check = check_graph(model, folder / "model.onnx", shape)
+    log(
+        f"[{role}] max |logit difference| {check['max_abs_logit_diff']:.2e} "
+        f"(tolerance {check['tolerance']:.2e})"
+    )
+    tokenizer.save_pretrained(folder)
+    if not (folder / "tokenizer.json").is_file():
+        raise SpecrtError(f"{source.spec}: the tokenizer has no tokenizer.json to ship")
+    log(f"[{role}] hashing files")
+    info = {
+        "source": source.describe(),
+        "shape": shape.as_dict(),
+        "graph": "model.onnx",
+        "tokenizer_sha256": digest,
+        "export_check": check,
+        "export_seconds": round(time.perf_counter() - started, 2),
+        "files": hash_tree(folder),
+    }
+    return info, model

@@ -1,0 +1,97 @@
+"""Tiny draft/target model pairs for tests and the offline demo.
+
+Real models cannot be fetched from a hub on every machine, but the export and runtime paths must
+be exercised end to end on real transformers models with a real tokenizer. These pairs are built
+from a config with a fixed seed, save as ordinary Hugging Face folders and load in milliseconds.
+
+The draft is the target's first layers (same embeddings, norm and head), so the two agree often
+enough for speculation to accept tokens, yet not always: both code paths of the loop get exercised.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CORPUS = Path(__file__).with_name("data") / "corpus.txt"
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+ARCHITECTURES = ("llama", "qwen2")
+
+
+def train_tokenizer(vocab_size: int = 384):
+    """A byte-level BPE trained on the corpus the package ships (deterministic, offline)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train([str(CORPUS)], trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _config(arch: str, vocab_size: int, layers: int, eos_ids: list[int]):
+    from transformers import LlamaConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        initializer_range=0.2,  # peaked distributions: greedy choices are not near-ties
+        eos_token_id=eos_ids,
+        bos_token_id=None,
+    )
+    if arch == "llama":
+        return LlamaConfig(**common, tie_word_embeddings=False, rope_theta=10000.0)
+    if arch == "qwen2":
+        return Qwen2Config(**common, tie_word_embeddings=True, rope_theta=1000000.0)
+    raise ValueError(f"unknown tiny architecture {arch!r}; choose from {ARCHITECTURES}")
+
+
+def make_tiny_pair(out_dir: str | Path, arch: str = "llama", *, seed: int = 0, vocab_size=None):
+    """Write `draft/` (2 layers) and `target/` (4 layers) HF folders under out_dir; return paths.
+
+    vocab_size, when given, skips the tokenizer and builds models over that many token ids: the
+    statistical tests need a vocabulary small enough to enumerate exact distributions.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = Path(out_dir)
+    tokenizer = None if vocab_size else train_tokenizer()
+    if tokenizer is not None:
+        vocab_size = len(tokenizer)
+        eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>")]
+    else:
+        eos_ids = [0]
+    torch.manual_seed(seed)
+    target = AutoModelForCausalLM.from_config(_config(arch, vocab_size, 4, eos_ids))
+    draft = AutoModelForCausalLM.from_config(_config(arch, vocab_size, 2, eos_ids))
+    draft.load_state_dict(target.state_dict(), strict=False)  # shared prefix of layers
+    paths = {}
+    for role, model in (("draft", draft), ("target", target)):
+        path = out / role
+        model.eval().save_pretrained(path)
+        model.generation_config.save_pretrained(path)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(path)
+        paths[role] = path
+    return paths["draft"], paths["target"]

@@ -1,0 +1,76 @@
+"""File helpers shared by every stage: content hashes and writes that are never seen half done."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from specrt.errors import SpecrtError
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def hash_tree(folder: Path) -> dict[str, str]:
+    """sha256 of every file below folder, keyed by its path relative to folder."""
+    return {
+        p.relative_to(folder).as_posix(): sha256_file(p)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def _umask_mode(mode: int) -> int:
+    """mkstemp/mkdtemp create private files; published files get the usual umask mode instead."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return mode & ~umask
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    """Write to a temp file beside path, fsync, then rename: readers never see half a file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(data, handle, indent=2, sort_keys=True)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, _umask_mode(0o666))
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def atomic_dir(out: Path, *, force: bool = False) -> Iterator[Path]:
+    """Yield a temp folder beside `out`; on success it replaces `out`, on failure it vanishes."""
+    out = out.resolve()
+    if out.exists() and not force:
+        raise SpecrtError(f"{out} already exists; pass --force to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.building-"))
+    os.chmod(tmp, _umask_mode(0o777))
+    try:
+        yield tmp
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,249 @@
+"""The `specrt` command line: build, inspect, generate, demo.
+
+Every user-facing failure is a SpecrtError; the group turns it into one clear line and exit
+status 1 instead of a traceback. Heavy imports happen inside the commands that need them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from specrt.errors import SpecrtError
+
+
+class _Group(click.Group):
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except SpecrtError as err:
+            raise click.ClickException(str(err)) from err
+
+
+def specrt_home() -> Path:
+    """Where pulled models, tiny demo models and cached bundles live ($SPECRT_HOME)."""
+    if "SPECRT_HOME" in os.environ:
+        return Path(os.environ["SPECRT_HOME"]).expanduser()
+    cache = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser()
+    return cache / "specrt"
+
+
+def _log(message: str) -> None:
+    click.echo(message, err=True)
+
+
+@click.group(cls=_Group)
+@click.version_option(package_name="specrt")
+def cli() -> None:
+    """Speculative decoding: export a draft + target pair, then generate losslessly faster."""
+
+
+@cli.command()
+@click.option("--draft", required=True, help="Draft model: HF folder, hub id or .gguf file.")
+@click.option("--target", required=True, help="Target model: HF folder, hub id or .gguf file.")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="Bundle folder.")
+@click.option("--max-draft", default=8, show_default=True, help="K_max: most drafts per round.")
+@click.option("--max-context", default=2048, show_default=True, help="KV cache positions.")
+@click.option("--force", is_flag=True, help="Replace an existing bundle.")
+def build(draft: str, target: str, out: Path, max_draft: int, max_context: int, force: bool):
+    """Export DRAFT and TARGET to an ONNX bundle, checked against PyTorch."""
+    from specrt.exporter.build import build_bundle
+
+    build_bundle(
+        draft, target, out, max_draft=max_draft, max_context=max_context, force=force, log=_log
+    )
+    click.echo(f"bundle written: {out}")
+
+
+@cli.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
+def inspect(bundle: Path, as_json: bool):
+    """Show a bundle's manifest and verify every file against its sha256."""
+    from specrt.bundle import Bundle
+
+    loaded = Bundle.load(bundle, full_check=True)
+    m = loaded.manifest
+    if as_json:
+        click.echo(json.dumps(m, indent=2, sort_keys=True))
+        return
+    versions = ", ".join(f"{k} {v}" for k, v in sorted(m["versions"].items()))
+    click.echo(f"bundle       {bundle}  (format {m['format_version']}, {m['created_utc']})")
+    click.echo(f"built with   {versions}")
+    click.echo(
+        f"precision    {m['dtype']}   max context {m['max_context']}   "
+        f"K_max {m['max_draft']}   eos ids {m['eos_token_ids']}"
+    )
+    profiles = "   ".join(
+        f"{name} {p['min_tokens']}..{p['max_tokens']}" for name, p in m["profiles"].items()
+    )
+    click.echo(f"profiles     {profiles} new tokens")
+    click.echo(f"chat         {'template present' if m.get('chat_template') else 'no template'}")
+    header = (
+        f"{'role':7} {'arch':8} {'layers':>6} {'heads':>5} {'kv':>3} {'hdim':>5} "
+        f"{'hidden':>6} {'vocab':>7}  {'max|dlogit|':>11}  source"
+    )
+    click.echo(header)
+    files = 0
+    for name in ("draft", "target"):
+        info = m["roles"][name]
+        s, check = info["shape"], info["export_check"]
+        click.echo(
+            f"{name:7} {s['architecture']:8} {s['num_layers']:>6} {s['num_heads']:>5} "
+            f"{s['num_kv_heads']:>3} {s['head_dim']:>5} {s['hidden_size']:>6} "
+            f"{s['vocab_size']:>7}  {check['max_abs_logit_diff']:>11.2e}  "
+            f"{info['source']['spec']}"
+        )
+        files += len(info["files"])
+    click.echo(f"files        {files} verified against their sha256")
+
+
+@cli.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.argument("prompt")
+@click.option("--chat", is_flag=True, help="Send PROMPT as a user message via the chat template.")
+@click.option("--max-new-tokens", default=128, show_default=True)
+@click.option("--temperature", default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-k", default=0, show_default=True, help="0 = off.")
+@click.option("--top-p", default=1.0, show_default=True, help="1 = off.")
+@click.option("--seed", type=int, default=None, help="Make sampling reproducible.")
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option(
+    "--controller", default="adaptive", show_default=True, help="fixed:K | heuristic | adaptive"
+)
+@click.option("--no-speculation", is_flag=True, help="Run the target alone (same engine).")
+@click.option(
+    "--backend",
+    default="onnxruntime",
+    show_default=True,
+    type=click.Choice(["onnxruntime", "torch"]),
+)
+@click.option("--threads", type=int, default=None, help="Intra-op threads (default: all cores).")
+@click.option("--stream", is_flag=True, help="Print text as it is generated.")
+@click.option("--stats", is_flag=True, help="Print speed and acceptance statistics.")
+@click.option("--json", "as_json", is_flag=True, help="Print text, ids and stats as JSON.")
+def generate(
+    bundle,
+    prompt,
+    chat,
+    max_new_tokens,
+    temperature,
+    top_k,
+    top_p,
+    seed,
+    stop,
+    controller,
+    no_speculation,
+    backend,
+    threads,
+    stream,
+    stats,
+    as_json,
+):
+    """Generate from PROMPT with speculative decoding."""
+    from specrt.runtime import SpeculativeRuntime
+
+    runtime = SpeculativeRuntime.load(
+        bundle, backend=backend, controller=controller, threads=threads
+    )
+    request = [{"role": "user", "content": prompt}] if chat else prompt
+    generation = runtime.stream(
+        request,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        stop=stop,
+        speculate=not no_speculation,
+    )
+    for delta in generation:
+        if stream and not as_json:
+            click.echo(delta, nl=False)
+            sys.stdout.flush()
+    result = generation.result
+    if as_json:
+        click.echo(
+            json.dumps(
+                {
+                    "text": result.text,
+                    "token_ids": result.token_ids,
+                    "finish_reason": result.finish_reason,
+                    "stats": result.stats.to_dict(),
+                }
+            )
+        )
+        return
+    click.echo("" if stream else result.text)
+    if stats:
+        _log(format_stats(result.stats, result.finish_reason))
+
+
+def format_stats(s, finish_reason: str) -> str:
+    return (
+        f"{s.new_tokens} tokens in {s.total_seconds:.2f}s ({s.tokens_per_second:.1f} tok/s), "
+        f"first token {s.ttft_seconds * 1000:.0f} ms, finish: {finish_reason}\n"
+        f"rounds {s.rounds}, drafted {s.drafted}, accepted {s.accepted} "
+        f"({s.acceptance_rate:.0%}), {s.tokens_per_target_call:.2f} tokens per target call\n"
+        f"draft {s.draft_seconds:.2f}s, verify {s.verify_seconds:.2f}s, "
+        f"prefill {s.prefill_seconds:.2f}s, controller {s.controller}"
+    )
+
+
+@cli.command()
+@click.option(
+    "--tiny",
+    is_flag=True,
+    required=True,
+    help="Use tiny random models built offline (the real-model demo is not in yet).",
+)
+@click.option("--max-new-tokens", default=64, show_default=True)
+def demo(tiny: bool, max_new_tokens: int):
+    """Build (once, cached) and run a draft/target pair, with and without speculation."""
+    from specrt.bundle import Bundle
+    from specrt.errors import BundleError
+
+    home = specrt_home() / "tiny"
+    bundle = home / "bundle"
+    try:
+        Bundle.load(bundle)
+        _log(f"reusing cached bundle {bundle}")
+    except BundleError:
+        from specrt.exporter.build import build_bundle
+        from specrt.exporter.tiny import make_tiny_pair
+
+        _log(f"building tiny llama pair under {home}")
+        draft, target = make_tiny_pair(home / "models", "llama")
+        build_bundle(str(draft), str(target), bundle, max_context=512, force=True, log=_log)
+    run_comparison(bundle, "def fibonacci(n):", max_new_tokens)
+
+
+def run_comparison(bundle: Path, prompt: str, max_new_tokens: int) -> None:
+    from specrt.runtime import SpeculativeRuntime
+
+    runtime = SpeculativeRuntime.load(bundle)
+    runtime.generate(prompt, max_new_tokens=8)  # warm-up: first runs allocate
+    alone = runtime.generate(prompt, max_new_tokens=max_new_tokens, speculate=False)
+    spec = runtime.generate(prompt, max_new_tokens=max_new_tokens)
+    for label, result in (("target alone", alone), ("speculative", spec)):
+        click.echo(f"--- {label}: {result.stats.tokens_per_second:.1f} tok/s")
+        click.echo(result.text)
+    same = "identical" if alone.token_ids == spec.token_ids else "DIFFERENT (a bug: report it)"
+    speedup = spec.stats.tokens_per_second / max(alone.stats.tokens_per_second, 1e-9)
+    click.echo(
+        f"--- outputs {same}; acceptance {spec.stats.acceptance_rate:.0%}, "
+        f"{spec.stats.tokens_per_target_call:.2f} tokens per target call, "
+        f"speedup {speedup:.2f}x"
+    )
+
+
+def main() -> None:
+    cli(prog_name="specrt")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""How many tokens to draft each round: `fixed:K`, `heuristic`, or `adaptive` (the default).
+
+A controller sees what the loop measured (accepted counts, draft and verify seconds) and the
+caller's signals (remaining budget, context position, server load), and answers with K and a
+reason, so every choice is explainable in the stats.
+
+The adaptive policy maximises expected tokens per second. With per-token acceptance α, a round
+of K drafts emits E = (1 - α^(K+1)) / (1 - α) tokens and costs K·c_draft + c_verify(K); α decays
+toward recent rounds of this request, and c_verify(K) is a least-squares line through the verify
+times measured so far (a verify call of K+1 tokens costs little more than one while weights are
+the bottleneck, and the line learns how much).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from specrt.errors import SpecrtError
+
+
+@dataclass(frozen=True)
+class RoundContext:
+    k_max: int  # the bundle's K_max, further capped by budget and context room
+    position: int  # tokens in the sequence so far (prompt + emitted)
+    load: int = 0  # queue depth / concurrent requests the caller reports
+
+
+@dataclass(frozen=True)
+class Decision:
+    k: int
+    reason: str
+
+
+class Fixed:
+    """Always K (capped by what the round has room for)."""
+
+    confidence_threshold = 0.0
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def decide(self, ctx: RoundContext) -> Decision:
+        k = min(self.k, ctx.k_max)
+        return Decision(k, "fixed" if k == self.k else f"fixed, capped to room {ctx.k_max}")
+
+    def observe(self, k: int, accepted: int, draft_s: float, verify_s: float) -> None:
+        pass
+
+
+class Heuristic:
+    """transformers' rule: +2 after a round where every draft was accepted, -1 otherwise."""
+
+    confidence_threshold = 0.0
+
+    def __init__(self, k_min: int = 1, k_max: int = 8, start: int = 4):
+        self.k_min, self.k_max, self.k = k_min, k_max, start
+
+    def decide(self, ctx: RoundContext) -> Decision:
+        k = min(self.k, ctx.k_max)
+        return Decision(k, f"heuristic K={self.k}" + ("" if k == self.k else f", room {k}"))
+
+    def observe(self, k: int, accepted: int, draft_s: float, verify_s: float) -> None:
+        if k == 0:
+            return
+        step = 2 if accepted == k else -1
+        self.k = int(np.clip(self.k + step, self.k_min, self.k_max))
+
+
+@dataclass
+class Adaptive:
+    """Pick K maximising expected tokens per second from measured acceptance and costs."""
+
+    k_min: int = 1
+    k_max: int = 8
+    decay: float = 0.8  # weight of older rounds in the acceptance estimate
+    prior_alpha: float = 0.7
+    prior_weight: float = 2.0  # pseudo-tokens behind the prior
+    confidence_threshold: float = 0.4  # stop drafting when the draft's top probability is below
+    long_context: int = 1024  # past this many tokens, K is halved (attention starts to cost)
+    accepted: float = 0.0
+    rejected: float = 0.0
+    draft_cost: float | None = None
+    verify_times: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def alpha(self) -> float:
+        hits = self.accepted + self.prior_alpha * self.prior_weight
+        return hits / (self.accepted + self.rejected + self.prior_weight)
+
+    def verify_cost(self, k: int) -> float:
+        """c_verify(k): fitted line through measured (k, seconds); flat with one point."""
+        ks = np.array(list(self.verify_times), dtype=float)
+        secs = np.array(list(self.verify_times.values()))
+        if len(ks) == 1:
+            return float(secs[0])
+        slope, intercept = np.polyfit(ks, secs, 1)
+        return float(max(intercept + max(slope, 0.0) * k, 1e-9))
+
+    def decide(self, ctx: RoundContext) -> Decision:
+        cap, why = min(self.k_max, ctx.k_max), []
+        if ctx.load > 0:
+            cap = min(cap, max(self.k_min, self.k_max // (1 + ctx.load)))
+            why.append(f"load {ctx.load} caps K at {cap}")
+        if ctx.position > self.long_context:
+            cap = min(cap, max(self.k_min, self.k_max // 2))
+            why.append(f"long context caps K at {cap}")
+        if cap <= self.k_min:
+            return Decision(cap, "; ".join(why + [f"room for {cap} only"]))
+        if self.draft_cost is None or not self.verify_times:
+            k = min(cap, max(self.k_min, 4))
+            return Decision(k, "; ".join(why + [f"warming up (alpha={self.alpha:.2f})"]))
+        alpha = min(self.alpha, 0.999)
+        candidates = range(self.k_min, cap + 1)
+        rates = [self._rate(k, alpha) for k in candidates]
+        k = candidates[int(np.argmax(rates))]
+        why.append(
+            f"alpha={alpha:.2f} c_draft/c_verify={self.draft_cost / self.verify_cost(1):.2f}"
+            f" -> {max(rates):.1f} tok/s"
+        )
+        return Decision(k, "; ".join(why))
+
+    def _rate(self, k: int, alpha: float) -> float:
+        tokens = (1 - alpha ** (k + 1)) / (1 - alpha)
+        return tokens / (k * self.draft_cost + self.verify_cost(k))
+
+    def observe(self, k: int, accepted: int, draft_s: float, verify_s: float) -> None:
+        if k > 0:
+            self.accepted = self.decay * self.accepted + accepted
+            self.rejected = self.decay * self.rejected + (1 if accepted < k else 0)
+            per_step = draft_s / k
+            self.draft_cost = (
+                per_step if self.draft_cost is None else (0.7 * self.draft_cost + 0.3 * per_step)
+            )
+        old = self.verify_times.get(k)
+        self.verify_times[k] = verify_s if old is None else 0.7 * old + 0.3 * verify_s
+
+
+def make_controller(spec: str, k_max: int):
+    """`fixed:K`, `heuristic` or `adaptive`; K must fit the bundle's K_max."""
+    name, _, arg = spec.partition(":")
+    if name == "fixed":
+        try:
+            k = int(arg)
+        except ValueError:
+            raise SpecrtError(f"controller {spec!r}: write fixed:K with a number K") from None
+        if not 0 <= k <= k_max:
+            raise SpecrtError(f"controller {spec!r}: K must be in 0..{k_max} (the bundle's K_max)")
+        return Fixed(k)
+    if arg:
+        raise SpecrtError(f"controller {name!r} takes no argument")
+    if name == "heuristic":
+        return Heuristic(k_max=k_max, start=min(4, k_max))
+    if name == "adaptive":
+        return Adaptive(k_max=k_max)
+    raise SpecrtError(f"unknown controller {spec!r}; use fixed:K, heuristic or adaptive")

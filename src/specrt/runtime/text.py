@@ -1,0 +1,85 @@
+"""Text in and out without transformers: the bundle's tokenizer.json, chat templates, streaming.
+
+Chat templates are Jinja, rendered in a sandbox the way transformers renders them, so the
+prompt a model sees through specrt is the one it was trained with.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from specrt.errors import SpecrtError
+
+
+def _token_text(value) -> str | None:
+    return value.get("content") if isinstance(value, dict) else value
+
+
+class TextTokenizer:
+    def __init__(self, folder: Path, chat_template: str | None):
+        self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        config_file = folder / "tokenizer_config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.chat_template = chat_template
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def render_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise SpecrtError("this bundle's tokenizer has no chat template; send a plain prompt")
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str):
+            raise TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                tools=None,
+            )
+        except TemplateError as err:
+            raise SpecrtError(f"the chat template rejected these messages: {err}") from err
+
+
+class IncrementalDecoder:
+    """Text deltas as tokens arrive, never splitting a multi-byte character.
+
+    Decodes a short window (the previous read position onwards) instead of the whole sequence,
+    and holds a delta back while it ends in an incomplete UTF-8 sequence.
+    """
+
+    def __init__(self, tokenizer: TextTokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0
+        self.read = 0
+        self.text = ""
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        before = self.tokenizer.decode(self.ids[self.prefix : self.read])
+        after = self.tokenizer.decode(self.ids[self.prefix :])
+        if after.endswith("\ufffd") or len(after) <= len(before):
+            return ""
+        delta = after[len(before) :]
+        self.prefix, self.read = self.read, len(self.ids)
+        self.text += delta
+        return delta

@@ -1,0 +1,77 @@
+"""Shared fixtures: tiny real models (built offline, fixed seeds) and bundles built from them.
+
+Building is the slow part, so pairs and bundles are session-scoped and every test that changes
+a bundle works on its own copy.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from specrt.exporter.build import build_bundle
+from specrt.exporter.tiny import make_tiny_pair
+
+MAX_CONTEXT = 128
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+@pytest.fixture(scope="session")
+def pairs(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """Tiny (draft, target) HF folders per architecture, sharing one trained BPE tokenizer."""
+    root = tmp_path_factory.mktemp("models")
+    return {arch: make_tiny_pair(root / arch, arch) for arch in ("llama", "qwen2")}
+
+
+@pytest.fixture(scope="session")
+def bundles(pairs, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("bundles")
+    out = {}
+    for arch, (draft, target) in pairs.items():
+        out[arch] = build_bundle(
+            str(draft), str(target), root / arch, max_context=MAX_CONTEXT, log=_quiet
+        )
+    return out
+
+
+@pytest.fixture(scope="session")
+def agree_bundle(pairs, tmp_path_factory) -> Path:
+    """The target drafting for itself: every greedy draft is accepted."""
+    _, target = pairs["llama"]
+    return build_bundle(
+        str(target),
+        str(target),
+        tmp_path_factory.mktemp("agree") / "b",
+        max_context=MAX_CONTEXT,
+        log=_quiet,
+    )
+
+
+@pytest.fixture(scope="session")
+def disagree_bundle(pairs, tmp_path_factory) -> Path:
+    """A draft whose vocabulary projection is the target's shifted by one token, so its
+    greedy choice is never the target's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _, target = pairs["llama"]
+    root = tmp_path_factory.mktemp("disagree")
+    model = AutoModelForCausalLM.from_pretrained(target)
+    model.lm_head.weight.data = model.lm_head.weight.data.roll(-1, dims=0)
+    model.save_pretrained(root / "draft")
+    AutoTokenizer.from_pretrained(target).save_pretrained(root / "draft")
+    return build_bundle(
+        str(root / "draft"), str(target), root / "b", max_context=MAX_CONTEXT, log=_quiet
+    )
+
+
+@pytest.fixture
+def bundle_copy(bundles, tmp_path) -> Path:
+    """A private copy of the llama bundle, for tests that damage it."""
+    copy = tmp_path / "bundle"
+    shutil.copytree(bundles["llama"], copy)
+    return copy

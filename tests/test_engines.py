@@ -1,0 +1,78 @@
+"""Exported graphs match PyTorch, and both engines roll back as if rejected tokens never came."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from specrt.bundle import Bundle
+from specrt.engines import load_engine
+from specrt.errors import SpecrtError
+
+ARCHS = ("llama", "qwen2")
+BACKENDS = ("onnxruntime", "torch")
+TOKENS = np.random.default_rng(7).integers(3, 384, 40).tolist()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_export_check_is_recorded_and_within_tolerance(bundles, arch):
+    manifest = Bundle.load(bundles[arch]).manifest
+    for role in ("draft", "target"):
+        check = manifest["roles"][role]["export_check"]
+        assert set(check["cases"]) == {"prefill_12", "decode_1", "verify_5"}
+        assert check["max_abs_logit_diff"] <= check["tolerance"]
+        assert check["argmax_agree"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_onnx_logits_match_pytorch_for_prefill_decode_and_verify(pairs, bundles, arch):
+    engine = load_engine(Bundle.load(bundles[arch]), "target")
+    model = AutoModelForCausalLM.from_pretrained(pairs[arch][1]).eval()
+    cache = DynamicCache(config=model.config)
+    position = 0
+    for count in (17, 1, 5):
+        new = TOKENS[position : position + count]
+        got = engine.forward(new)
+        with torch.no_grad():
+            want = model(torch.tensor([new]), past_key_values=cache, use_cache=True).logits[0]
+        np.testing.assert_allclose(got, want.numpy(), atol=1e-4, rtol=0)
+        position += count
+    assert engine.length == position
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_rollback_forgets_rejected_tokens(bundles, arch, backend):
+    engine = load_engine(Bundle.load(bundles[arch]), "target", backend)
+    engine.forward(TOKENS[:10], last=1)
+    engine.forward(TOKENS[10:16])  # six tokens, then "reject" all but two of them
+    engine.rollback(12)
+    assert engine.length == 12
+    after_rollback = engine.forward(TOKENS[20:24])
+
+    engine.reset()
+    engine.forward(TOKENS[:12], last=1)
+    never_fed = engine.forward(TOKENS[20:24])
+    np.testing.assert_allclose(after_rollback, never_fed, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_last_selects_trailing_logits(bundles, backend):
+    engine = load_engine(Bundle.load(bundles["llama"]), "target", backend)
+    full = engine.forward(TOKENS[:9])
+    engine.reset()
+    tail = engine.forward(TOKENS[:9], last=3)
+    assert tail.shape == (3, full.shape[1])
+    np.testing.assert_allclose(tail, full[-3:], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_context_overflow_and_bad_rollback_are_refused(bundles, backend):
+    engine = load_engine(Bundle.load(bundles["llama"]), "target", backend)
+    engine.forward(TOKENS[:4])
+    with pytest.raises(SpecrtError, match="context full"):
+        engine.forward([5] * engine.capacity)
+    with pytest.raises(ValueError, match="roll back"):
+        engine.rollback(5)

@@ -40,16 +40,19 @@ def bundles(pairs, tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
-def agree_bundle(pairs, tmp_path_factory) -> Path:
-    """The target drafting for itself: every greedy draft is accepted."""
-    _, target = pairs["llama"]
-    return build_bundle(
-        str(target),
-        str(target),
-        tmp_path_factory.mktemp("agree") / "b",
-        max_context=MAX_CONTEXT,
-        log=_quiet,
-    )
+def agree_bundle(tmp_path_factory) -> Path:
+    """A draft that always agrees and costs a fraction of the target: the target has 16 layers,
+    of which the last 14 add nothing (zero output projections), and the draft is the first 2."""
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("agree")
+    draft, target = make_tiny_pair(root, "llama", layers=(2, 16))
+    model = AutoModelForCausalLM.from_pretrained(target)
+    for layer in model.model.layers[2:]:
+        layer.self_attn.o_proj.weight.data.zero_()
+        layer.mlp.down_proj.weight.data.zero_()
+    model.save_pretrained(target)
+    return build_bundle(str(draft), str(target), root / "b", max_context=MAX_CONTEXT, log=_quiet)
 
 
 @pytest.fixture(scope="session")

@@ -66,8 +66,15 @@ def _config(arch: str, vocab_size: int, layers: int, eos_ids: list[int]):
     raise ValueError(f"unknown tiny architecture {arch!r}; choose from {ARCHITECTURES}")
 
 
-def make_tiny_pair(out_dir: str | Path, arch: str = "llama", *, seed: int = 0, vocab_size=None):
-    """Write `draft/` (2 layers) and `target/` (4 layers) HF folders under out_dir; return paths.
+def make_tiny_pair(
+    out_dir: str | Path,
+    arch: str = "llama",
+    *,
+    seed: int = 0,
+    vocab_size: int | None = None,
+    layers: tuple[int, int] = (2, 4),
+):
+    """Write `draft/` and `target/` HF folders (layers: draft, target) under out_dir.
 
     vocab_size, when given, skips the tokenizer and builds models over that many token ids: the
     statistical tests need a vocabulary small enough to enumerate exact distributions.
@@ -83,8 +90,8 @@ def make_tiny_pair(out_dir: str | Path, arch: str = "llama", *, seed: int = 0, v
     else:
         eos_ids = [0]
     torch.manual_seed(seed)
-    target = AutoModelForCausalLM.from_config(_config(arch, vocab_size, 4, eos_ids))
-    draft = AutoModelForCausalLM.from_config(_config(arch, vocab_size, 2, eos_ids))
+    target = AutoModelForCausalLM.from_config(_config(arch, vocab_size, layers[1], eos_ids))
+    draft = AutoModelForCausalLM.from_config(_config(arch, vocab_size, layers[0], eos_ids))
     draft.load_state_dict(target.state_dict(), strict=False)  # shared prefix of layers
     paths = {}
     for role, model in (("draft", draft), ("target", target)):

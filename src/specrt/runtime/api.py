@@ -187,14 +187,15 @@ class SpeculativeRuntime:
         top_p: float = 1.0,
         seed: int | None = None,
         stop: Sequence[str] = (),
-        controller: str | None = None,
+        controller=None,
         speculate: bool = True,
         load: int = 0,
         ignore_eos: bool = False,
     ) -> Generation:
         """Start a request; iterate the result for text deltas, then read `.result`.
 
-        ignore_eos generates exactly max_new_tokens (what benchmarks need); load is the
+        controller is a spec (`fixed:K`, `heuristic`, `adaptive`) or a policy object of one's
+        own; ignore_eos generates exactly max_new_tokens (what benchmarks need); load is the
         caller's queue depth, which caps the speculation length under the adaptive policy.
         """
         if max_new_tokens < 1:

@@ -74,20 +74,24 @@ class Adaptive:
 
     k_min: int = 1
     k_max: int = 8
-    decay: float = 0.8  # weight of older rounds in the acceptance estimate
+    decay: float = 0.9  # per observed token: the estimate follows the last ~10 drafts
     prior_alpha: float = 0.7
-    prior_weight: float = 2.0  # pseudo-tokens behind the prior
+    prior_weight: float = 2.0  # pseudo-tokens behind the prior; they decay like real ones
     confidence_threshold: float = 0.4  # stop drafting when the draft's top probability is below
     long_context: int = 1024  # past this many tokens, K is halved (attention starts to cost)
-    accepted: float = 0.0
-    rejected: float = 0.0
+    accepted: float = field(init=False)
+    rejected: float = field(init=False)
     draft_cost: float | None = None
     verify_times: dict[int, float] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        self.accepted = self.prior_alpha * self.prior_weight
+        self.rejected = (1 - self.prior_alpha) * self.prior_weight
+
     @property
     def alpha(self) -> float:
-        hits = self.accepted + self.prior_alpha * self.prior_weight
-        return hits / (self.accepted + self.rejected + self.prior_weight)
+        """Acceptance per drafted token: the geometric MLE over recent, decayed observations."""
+        return self.accepted / (self.accepted + self.rejected)
 
     def verify_cost(self, k: int) -> float:
         """c_verify(k): fitted line through measured (k, seconds); flat with one point."""
@@ -127,8 +131,10 @@ class Adaptive:
 
     def observe(self, k: int, accepted: int, draft_s: float, verify_s: float) -> None:
         if k > 0:
-            self.accepted = self.decay * self.accepted + accepted
-            self.rejected = self.decay * self.rejected + (1 if accepted < k else 0)
+            rejected = 1 if accepted < k else 0  # drafts after a rejection are never judged
+            fade = self.decay ** (accepted + rejected)
+            self.accepted = fade * self.accepted + accepted
+            self.rejected = fade * self.rejected + rejected
             per_step = draft_s / k
             self.draft_cost = (
                 per_step if self.draft_cost is None else (0.7 * self.draft_cost + 0.3 * per_step)
@@ -137,8 +143,14 @@ class Adaptive:
         self.verify_times[k] = verify_s if old is None else 0.7 * old + 0.3 * verify_s
 
 
-def make_controller(spec: str, k_max: int):
-    """`fixed:K`, `heuristic` or `adaptive`; K must fit the bundle's K_max."""
+def make_controller(spec, k_max: int):
+    """`fixed:K`, `heuristic` or `adaptive`; K must fit the bundle's K_max.
+
+    Anything else with `decide`, `observe` and `confidence_threshold` is a policy already and is
+    used as given (one instance per request, since policies keep per-request state).
+    """
+    if not isinstance(spec, str):
+        return spec
     name, _, arg = spec.partition(":")
     if name == "fixed":
         try:

@@ -1,0 +1,134 @@
+"""Speculative sampling keeps the target's distribution exactly: a chi-square test.
+
+Real ONNX Runtime engines run tiny models over an 8-token vocabulary, so the exact distribution
+of the next 4 tokens (8^4 sequences) is computable from the target alone. 20,000 seeded samples
+through the speculative loop (the first token from the prefill, then rounds of up to K = 2
+drafts, so acceptance, residual and bonus draws all occur) must fit it, for a good draft and a
+bad one, under temperature, top-k and top-p. The same test must fail when the residual rule is
+broken, or it would prove nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from scipy.stats import chisquare
+
+import specrt.runtime.acceptance as acceptance
+from specrt.engines.onnxruntime import OrtEngine
+from specrt.exporter.graph import write_graph
+from specrt.exporter.tiny import make_tiny_pair
+from specrt.runtime.controller import Adaptive, Fixed
+from specrt.runtime.sampling import SamplingParams, probabilities
+from specrt.runtime.speculative import LoopStats, Request, speculate
+
+VOCAB, NEW, SAMPLES, CAPACITY = 8, 4, 20_000, 16
+PROMPT = [1, 5, 3]
+PARAMS = {
+    "temperature": SamplingParams(temperature=1.5),
+    "top_k": SamplingParams(temperature=1.0, top_k=3),
+    "top_p": SamplingParams(temperature=0.8, top_p=0.7),
+}
+
+
+def _engine(folder, out, head_scale: float = 1.0) -> OrtEngine:
+    """An engine over a tiny model; head_scale < 1 softens its distribution (same ranking)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    model.lm_head.weight.data *= head_scale
+    out.mkdir()
+    shape = write_graph(model, out, CAPACITY)
+    return OrtEngine(
+        out / "model.onnx",
+        num_layers=shape.num_layers,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        vocab_size=VOCAB,
+        capacity=CAPACITY,
+        threads=1,
+    )
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    """The target; a good draft (the target, softened); a bad one (an unrelated model)."""
+    root = tmp_path_factory.mktemp("vocab8")
+    _, target = make_tiny_pair(root / "pair", "llama", vocab_size=VOCAB, layers=(1, 2))
+    _, unrelated = make_tiny_pair(root / "other", "qwen2", seed=5, vocab_size=VOCAB, layers=(1, 1))
+    return {
+        "target": _engine(target, root / "target_graph"),
+        "good": _engine(target, root / "good_graph", head_scale=0.7),
+        "bad": _engine(unrelated, root / "bad_graph"),
+    }
+
+
+def exact_distribution(target: OrtEngine, params: SamplingParams) -> np.ndarray:
+    """P(t1..t4 | prompt) for every one of the 8^4 sequences, by the chain rule."""
+    target.reset()
+    first = probabilities(target.forward(PROMPT, last=1)[0], params)
+    joint = np.zeros([VOCAB] * NEW)
+    for prefix in itertools.product(range(VOCAB), repeat=NEW - 1):
+        target.rollback(len(PROMPT))
+        rows = [probabilities(row, params) for row in target.forward(list(prefix))]
+        chain = first[prefix[0]] * np.prod([rows[i][prefix[i + 1]] for i in range(NEW - 2)])
+        joint[prefix] = chain * rows[NEW - 2]
+    return joint.ravel()
+
+
+def sample_counts(draft, target, params, controller_factory, seed=0):
+    """Histogram of SAMPLES speculative 4-token outputs, and the draft's acceptance rate."""
+    rng = np.random.default_rng(seed)
+    counts = np.zeros(VOCAB**NEW)
+    weights = VOCAB ** np.arange(NEW - 1, -1, -1)
+    stats = LoopStats()
+    for _ in range(SAMPLES):
+        request = Request(PROMPT, params, NEW, rng)
+        blocks = speculate(draft, target, request, controller_factory(), stats)
+        counts[int(np.dot([t for block in blocks for t in block], weights))] += 1
+    return counts, stats.accepted / stats.drafted
+
+
+def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Pearson's test, cells with expected count < 5 pooled into one."""
+    expected = probs * counts.sum()
+    small = expected < 5
+    observed = np.append(counts[~small], counts[small].sum())
+    expected = np.append(expected[~small], expected[small].sum())
+    if expected[-1] == 0:
+        observed, expected = observed[:-1], expected[:-1]
+    return float(chisquare(observed, expected * observed.sum() / expected.sum()).pvalue)
+
+
+@pytest.mark.parametrize("draft", ["good", "bad"])
+@pytest.mark.parametrize("setting", list(PARAMS))
+def test_speculative_sampling_matches_the_target(engines, draft, setting):
+    params = PARAMS[setting]
+    exact = exact_distribution(engines["target"], params)
+    counts, acceptance_rate = sample_counts(
+        engines[draft], engines["target"], params, lambda: Fixed(2)
+    )
+    assert chi_square_p(counts, exact) > 1e-3
+    # Both regimes really occur: a good draft is mostly accepted, a bad one mostly rejected.
+    assert acceptance_rate > 0.7 if draft == "good" else acceptance_rate < 0.55
+
+
+def test_adaptive_early_stopping_stays_lossless(engines):
+    """K chosen from the draft's own confidence (and timings) must not bias the output."""
+    params = PARAMS["temperature"]
+    exact = exact_distribution(engines["target"], params)
+    counts, _ = sample_counts(
+        engines["good"], engines["target"], params, lambda: Adaptive(confidence_threshold=0.5)
+    )
+    assert chi_square_p(counts, exact) > 1e-3
+
+
+def test_the_test_catches_a_broken_residual(engines, monkeypatch):
+    """Sampling the correction from p instead of normalize(max(0, p - q)) skews the output."""
+    monkeypatch.setattr(acceptance, "residual", lambda p, q: p)
+    params = PARAMS["temperature"]
+    exact = exact_distribution(engines["target"], params)
+    counts, _ = sample_counts(engines["bad"], engines["target"], params, lambda: Fixed(2))
+    assert chi_square_p(counts, exact) < 1e-6

@@ -1,0 +1,64 @@
+"""Text without transformers: same chat prompts, streaming never splits a character, and the
+sampling transform does what its parameters say."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from specrt.runtime.acceptance import residual
+from specrt.runtime.sampling import SamplingParams, probabilities
+from specrt.runtime.text import IncrementalDecoder, TextTokenizer
+
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Write a function that reverses a string."},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizers(pairs):
+    folder = pairs["qwen2"][1]
+    reference = AutoTokenizer.from_pretrained(folder)
+    return TextTokenizer(folder, reference.chat_template), reference
+
+
+def test_chat_template_matches_transformers(tokenizers):
+    lean, reference = tokenizers
+    want = reference.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    assert lean.render_chat(MESSAGES) == want
+
+
+def test_encode_and_decode_match_transformers(tokenizers):
+    lean, reference = tokenizers
+    text = "def reverse(text: str) -> str:\n    return text[::-1]  # ünïcödé ✓"
+    assert lean.encode(text) == reference(text).input_ids
+    assert lean.decode(lean.encode(text)) == reference.decode(reference(text).input_ids)
+
+
+def test_incremental_decoding_never_splits_characters(tokenizers):
+    lean, _ = tokenizers
+    text = "naïve café ✓ — 東京 🙂 end"
+    decoder = IncrementalDecoder(lean)
+    deltas = [decoder.push(token) for token in lean.encode(text)]
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in delta for delta in deltas)
+
+
+def test_top_k_and_top_p_keep_the_right_tokens():
+    logits = np.log(np.array([0.5, 0.2, 0.15, 0.1, 0.05]))
+    plain = probabilities(logits, SamplingParams(temperature=1.0))
+    np.testing.assert_allclose(plain, [0.5, 0.2, 0.15, 0.1, 0.05])
+    top2 = probabilities(logits, SamplingParams(temperature=1.0, top_k=2))
+    np.testing.assert_allclose(top2, [5 / 7, 2 / 7, 0, 0, 0])
+    nucleus = probabilities(logits, SamplingParams(temperature=1.0, top_p=0.8))
+    np.testing.assert_allclose(nucleus, np.array([0.5, 0.2, 0.15, 0, 0]) / 0.85)
+    hot = probabilities(logits, SamplingParams(temperature=2.0))
+    np.testing.assert_allclose(hot, np.sqrt(plain) / np.sqrt(plain).sum())
+
+
+def test_residual_is_what_the_target_still_owes():
+    p, q = np.array([0.5, 0.3, 0.2]), np.array([0.2, 0.6, 0.2])
+    np.testing.assert_allclose(residual(p, q), [1.0, 0.0, 0.0])
+    np.testing.assert_allclose(residual(p, p), p)  # nothing owed: any draw from p is right

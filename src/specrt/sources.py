@@ -13,6 +13,7 @@ from pathlib import Path
 
 from specrt.errors import SpecrtError
 from specrt.files import sha256_file
+from specrt.models import load_registry
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
 
@@ -26,6 +27,8 @@ class Source:
 
     @classmethod
     def parse(cls, spec: str) -> Source:
+        """A folder, a .gguf file, a registry name (pulled with `specrt models pull`), or a hub
+        id, in that order."""
         path = Path(spec).expanduser()
         if path.is_dir():
             if not (path / "config.json").exists():
@@ -37,6 +40,11 @@ class Source:
             return cls(str(path.resolve()), "gguf")
         if path.exists():
             raise SpecrtError(f"{spec}: not a model folder or a .gguf file")
+        registry = load_registry()
+        if spec in registry:
+            if not registry[spec].is_pulled():
+                raise SpecrtError(f"{spec} is not pulled yet: run `specrt models pull {spec}`")
+            return cls(str(registry[spec].path()), "gguf")
         if spec.count("/") == 1 and not spec.startswith((".", "/")):
             return cls(spec, "hub")
         raise SpecrtError(f"{spec}: no such folder or file, and not a hub id (owner/name)")

@@ -37,6 +37,7 @@ class Stats(LoopStats):
     ttft_seconds: float = 0.0
     total_seconds: float = 0.0
     controller: str = ""
+    token_times: list[float] = field(default_factory=list)  # seconds from start, per token
 
     @property
     def acceptance_rate(self) -> float:
@@ -99,10 +100,12 @@ class Generation:
         start = time.perf_counter()
         draft = rt.draft if self.speculate else None
         for emitted in speculate(draft, rt.target, req, self.controller, stats):
+            now = time.perf_counter() - start
             if not tokens:
-                stats.ttft_seconds = time.perf_counter() - start
+                stats.ttft_seconds = now
             for token in emitted:
                 tokens.append(token)
+                stats.token_times.append(now)
                 if token in self.eos:
                     finish = "eos"
                     break

@@ -1,0 +1,408 @@
+"""`specrt bench`: every configuration on the same prompts, in one process, side by side.
+
+This machine is shared and noisy, so only ratios measured in one run mean anything: the PyTorch
+baseline, transformers' assisted generation, and specrt's configurations all run here, greedy,
+each after a warm-up, on the same token ids. Every output is compared with the baseline's and
+with specrt's own target-alone output, and mismatches are counted, not hidden.
+
+Per-token latency: a round emits its block of tokens at once, so each token is charged the
+time since the previous block divided by the tokens in its block (for one-token decoding this
+is the usual inter-token latency).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from specrt.bundle import Bundle
+from specrt.files import write_json_atomic
+from specrt.runtime import SpeculativeRuntime
+
+FIXED_KS = (1, 2, 4, 6, 8)
+Log = Callable[[str], None]
+
+
+@dataclass
+class Run:
+    token_ids: list[int]
+    seconds: float
+    ttft: float
+    token_times: list[float]
+    target_calls: int | None = None
+    drafted: int | None = None
+    accepted: int | None = None
+
+
+@dataclass
+class Row:
+    name: str
+    tokens_per_s: float
+    ttft_ms: float
+    latency_p50_ms: float
+    latency_p99_ms: float
+    tokens_per_target_call: float | None
+    acceptance_rate: float | None
+    new_tokens: int
+    seconds: float
+    speedup_vs_pytorch: float | None = None
+    identical_to_baseline: bool | None = None
+    mismatches_vs_baseline: int = 0
+    identical_to_target_alone: bool | None = None
+    first_divergence: list[int | None] = field(default_factory=list)
+    note: str = ""
+
+
+def load_prompts(paths: Sequence[Path]) -> list[dict]:
+    """JSONL files; each line has "prompt" (plain text) or "messages" (chat)."""
+    prompts = []
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            if line.strip():
+                item = json.loads(line)
+                item.setdefault("set", Path(path).stem)
+                prompts.append(item)
+    return prompts
+
+
+def per_token_latencies(token_times: list[float], ttft: float) -> list[float]:
+    latencies, previous, i = [], ttft, 0
+    times = token_times[1:]  # the first token is time-to-first-token, reported apart
+    while i < len(times):
+        j = i
+        while j < len(times) and times[j] == times[i]:
+            j += 1
+        latencies += [(times[i] - previous) / (j - i)] * (j - i)
+        previous, i = times[i], j
+    return latencies
+
+
+def summarize(name: str, runs: list[Run]) -> Row:
+    new = sum(len(r.token_ids) for r in runs)
+    seconds = sum(r.seconds for r in runs)
+    latencies = [x for r in runs for x in per_token_latencies(r.token_times, r.ttft)]
+    calls = [r.target_calls for r in runs]
+    drafted = [r.drafted for r in runs]
+    return Row(
+        name=name,
+        tokens_per_s=new / seconds,
+        ttft_ms=1000 * float(np.mean([r.ttft for r in runs])),
+        latency_p50_ms=1000 * float(np.percentile(latencies, 50)) if latencies else 0.0,
+        latency_p99_ms=1000 * float(np.percentile(latencies, 99)) if latencies else 0.0,
+        tokens_per_target_call=new / sum(calls) if None not in calls else None,
+        acceptance_rate=(
+            sum(r.accepted for r in runs) / sum(drafted)
+            if None not in drafted and sum(drafted)
+            else None
+        ),
+        new_tokens=new,
+        seconds=seconds,
+    )
+
+
+def _first_divergence(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+class _TimingStreamer:
+    """transformers streamer that timestamps every generated token (the first put is the
+    prompt)."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.times: list[float] = []
+        self.seen_prompt = False
+
+    def put(self, value) -> None:
+        if not self.seen_prompt:
+            self.seen_prompt = True
+            return
+        self.times += [time.perf_counter() - self.start] * int(value.numel())
+
+    def end(self) -> None:
+        pass
+
+
+def hf_runner(model, max_new_tokens: int, assistant=None) -> Callable[[list[int]], Run]:
+    """transformers generate, greedy, EOS ignored (as specrt's ignore_eos) for equal lengths."""
+    import torch
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+
+    def run(ids: list[int]) -> Run:
+        streamer = _TimingStreamer()
+        with torch.inference_mode():
+            out = model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                generation_config=config,
+                assistant_model=assistant,
+                streamer=streamer,
+            )
+        seconds = time.perf_counter() - streamer.start
+        tokens = out[0, len(ids) :].tolist()
+        return Run(
+            tokens,
+            seconds,
+            streamer.times[0],
+            streamer.times,
+            target_calls=len(tokens) if assistant is None else None,
+        )
+
+    return run
+
+
+def specrt_runner(rt: SpeculativeRuntime, max_new_tokens: int, **options):
+    def run(ids: list[int]) -> Run:
+        result = rt.generate(ids, max_new_tokens=max_new_tokens, ignore_eos=True, **options)
+        s = result.stats
+        return Run(
+            result.token_ids,
+            s.total_seconds,
+            s.ttft_seconds,
+            s.token_times,
+            s.target_calls,
+            s.drafted,
+            s.accepted,
+        )
+
+    return run
+
+
+def measure(name: str, runner, prompt_ids: list[list[int]], repeat: int, log: Log) -> tuple:
+    runner(prompt_ids[0][:32])  # warm-up: first calls allocate and pick kernels
+    runs, outputs = [], []
+    for i, ids in enumerate(prompt_ids):
+        for r in range(repeat):
+            run = runner(ids)
+            runs.append(run)
+            if r == 0:
+                outputs.append(run.token_ids)
+            log(
+                f"  {name:22} prompt {i + 1}/{len(prompt_ids)}  "
+                f"{len(run.token_ids) / run.seconds:6.2f} tok/s"
+            )
+    return summarize(name, runs), outputs
+
+
+def specrt_configs(ks: Sequence[int] = FIXED_KS) -> list[tuple[str, dict]]:
+    configs = [("specrt_target_only", {"speculate": False})]
+    configs += [(f"specrt_fixed_{k}", {"controller": f"fixed:{k}"}) for k in ks]
+    return configs + [
+        ("specrt_heuristic", {"controller": "heuristic"}),
+        ("specrt_adaptive", {"controller": "adaptive"}),
+    ]
+
+
+def run_bench(
+    bundle_path: Path,
+    prompts: list[dict],
+    *,
+    max_new_tokens: int = 128,
+    repeat: int = 1,
+    only: Sequence[str] | None = None,
+    threads: int | None = None,
+    log: Log = print,
+) -> dict:
+    bundle = Bundle.load(bundle_path)
+    rt = SpeculativeRuntime.load(bundle_path, threads=threads)
+    prompt_ids = [rt.encode(p.get("messages") or p["prompt"]) for p in prompts]
+    wanted = (lambda name: name in only) if only else (lambda name: True)
+    rows, outputs, notes = [], {}, []
+
+    def record(name, runner):
+        log(f"{name}:")
+        row, outs = measure(name, runner, prompt_ids, repeat, log)
+        rows.append(row)
+        outputs[name] = outs
+
+    if wanted("pytorch_baseline") or wanted("hf_assisted"):
+        del rt  # PyTorch first, alone in memory; ONNX Runtime sessions are loaded after it
+        gc.collect()
+        _torch_rows(bundle, max_new_tokens, threads, wanted, record)
+        gc.collect()
+        rt = SpeculativeRuntime.load(bundle_path, threads=threads)
+    notes.append(_genai_note())
+    for name, options in specrt_configs(bundle_ks(bundle)):
+        if wanted(name):
+            record(name, specrt_runner(rt, max_new_tokens, **options))
+    _compare(rows, outputs)
+    return {
+        "bundle": str(bundle_path),
+        "machine": machine_info(threads),
+        "settings": {
+            "max_new_tokens": max_new_tokens,
+            "repeat": repeat,
+            "greedy": True,
+            "prompts": len(prompts),
+            "dtype": bundle.manifest["dtype"],
+            "prompt_sets": sorted({p["set"] for p in prompts}),
+        },
+        "configs": [asdict(r) for r in rows],
+        "notes": [n for n in notes if n],
+    }
+
+
+def bundle_ks(bundle: Bundle) -> list[int]:
+    return [k for k in FIXED_KS if k <= bundle.max_draft]
+
+
+def _torch_rows(bundle: Bundle, max_new_tokens, threads, wanted, record) -> None:
+    import torch
+
+    from specrt.sources import Source, load_model
+
+    if threads:
+        torch.set_num_threads(threads)
+    target = load_model(Source.parse(bundle.role("target").info["source"]["spec"]))
+    if wanted("pytorch_baseline"):
+        record("pytorch_baseline", hf_runner(target, max_new_tokens))
+    if wanted("hf_assisted"):
+        draft = load_model(Source.parse(bundle.role("draft").info["source"]["spec"]))
+        record("hf_assisted", hf_runner(target, max_new_tokens, assistant=draft))
+        del draft
+    del target
+
+
+def _genai_note() -> str:
+    try:
+        import onnxruntime_genai  # noqa: F401
+    except ImportError:
+        return "ort_genai skipped: onnxruntime-genai is not installed"
+    return "ort_genai skipped: this bench does not build ONNX Runtime GenAI models yet"
+
+
+def _compare(rows: list[Row], outputs: dict) -> None:
+    base = outputs.get("pytorch_baseline")
+    alone = outputs.get("specrt_target_only")
+    base_speed = next((r.tokens_per_s for r in rows if r.name == "pytorch_baseline"), None)
+    for row in rows:
+        mine = outputs[row.name]
+        if base_speed:
+            row.speedup_vs_pytorch = row.tokens_per_s / base_speed
+        if base is not None:
+            row.first_divergence = [
+                _first_divergence(a, b) for a, b in zip(mine, base, strict=True)
+            ]
+            row.mismatches_vs_baseline = sum(d is not None for d in row.first_divergence)
+            row.identical_to_baseline = row.mismatches_vs_baseline == 0
+        if alone is not None and row.name.startswith("specrt"):
+            row.identical_to_target_alone = mine == alone
+
+
+def machine_info(threads: int | None) -> dict:
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    versions = {}
+    for name in ("onnxruntime", "torch", "transformers", "numpy"):
+        try:
+            versions[name] = __import__(name).__version__
+        except ImportError:
+            continue
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": round(memory, 1),
+        "threads": threads,
+        "python": platform.python_version(),
+        "versions": versions,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def write_report(result: dict, out: Path, stem: str) -> list[Path]:
+    """JSON, a Markdown table and a PNG chart; returns the paths written."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / f"{stem}.json", out / f"{stem}.md", out / f"{stem}.png"]
+    write_json_atomic(paths[0], result)
+    paths[1].write_text(markdown(result))
+    chart(result, paths[2])
+    return paths
+
+
+def _fmt(value, spec: str) -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def markdown(result: dict) -> str:
+    m, s = result["machine"], result["settings"]
+    lines = [
+        f"# specrt bench: {Path(result['bundle']).name}",
+        "",
+        f"{m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB; {m['date']}; "
+        f"{s['prompts']} prompts ({', '.join(s['prompt_sets'])}) × {s['max_new_tokens']} new "
+        f"tokens, greedy, {s['dtype']}, repeat {s['repeat']}.",
+        "",
+        "| configuration | tokens/s | vs PyTorch | TTFT ms | p50 ms/tok | p99 ms/tok "
+        "| tokens/target call | acceptance | = baseline | = target alone |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["configs"]:
+        same = _fmt(r["identical_to_baseline"], "")
+        if r["mismatches_vs_baseline"]:
+            same = f"no ({r['mismatches_vs_baseline']} differ)"
+        lines.append(
+            f"| {r['name']} | {r['tokens_per_s']:.2f} | {_fmt(r['speedup_vs_pytorch'], '.2f')}× "
+            f"| {r['ttft_ms']:.0f} | {r['latency_p50_ms']:.0f} | {r['latency_p99_ms']:.0f} "
+            f"| {_fmt(r['tokens_per_target_call'], '.2f')} | {_fmt(r['acceptance_rate'], '.0%')} "
+            f"| {same} | {_fmt(r['identical_to_target_alone'], '')} |"
+        )
+    lines += ["", *[f"- {note}" for note in result["notes"]], ""]
+    return "\n".join(lines)
+
+
+def chart(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["configs"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
+    names = [r["name"] for r in rows]
+    speed = [r["speedup_vs_pytorch"] or r["tokens_per_s"] for r in rows]
+    left.barh(names, speed, color=["#888" if not n.startswith("specrt") else "#2a7" for n in names])
+    left.set_xlabel(
+        "speedup vs PyTorch baseline" if rows and rows[0]["speedup_vs_pytorch"] else "tokens/s"
+    )
+    left.invert_yaxis()
+    fixed = [r for r in rows if r["name"].startswith("specrt_fixed_")]
+    ks = [int(r["name"].rsplit("_", 1)[1]) for r in fixed]
+    right.plot(ks, [r["acceptance_rate"] for r in fixed], "o-", label="acceptance rate")
+    twin = right.twinx()
+    twin.plot(
+        ks,
+        [r["tokens_per_target_call"] for r in fixed],
+        "s--",
+        color="#c50",
+        label="tokens per target call",
+    )
+    right.set_xlabel("K (fixed)")
+    right.set_ylabel("acceptance rate")
+    twin.set_ylabel("tokens per target call")
+    right.set_title("acceptance and tokens per call vs K")
+    fig.suptitle(f"specrt bench: {Path(result['bundle']).name}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

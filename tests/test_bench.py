@@ -1,0 +1,48 @@
+"""`specrt bench` on a tiny bundle: every configuration runs and the report is complete."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from specrt.bench import load_prompts, per_token_latencies, run_bench, write_report
+
+PROMPT_FILES = sorted(Path(__file__).parent.parent.glob("benchmarks/prompts/*.jsonl"))
+NAMES = [
+    "pytorch_baseline",
+    "hf_assisted",
+    "specrt_target_only",
+    "specrt_fixed_2",
+    "specrt_adaptive",
+]
+
+
+def test_bench_writes_json_markdown_and_chart(bundles, tmp_path):
+    prompts = load_prompts(PROMPT_FILES)[::3]  # a few code and chat prompts
+    assert {p["set"] for p in prompts} == {"code", "chat"}
+    result = run_bench(bundles["llama"], prompts, max_new_tokens=6, only=NAMES, log=lambda _: None)
+    rows = {row["name"]: row for row in result["configs"]}
+    assert list(rows) == NAMES
+    for row in rows.values():
+        assert row["tokens_per_s"] > 0 and row["speedup_vs_pytorch"] > 0
+        assert row["new_tokens"] == 6 * len(prompts)
+        assert isinstance(row["identical_to_baseline"], bool)
+    assert rows["pytorch_baseline"]["speedup_vs_pytorch"] == 1.0
+    assert rows["hf_assisted"]["identical_to_baseline"]  # transformers against itself
+    assert rows["specrt_fixed_2"]["identical_to_target_alone"]
+    assert rows["specrt_adaptive"]["identical_to_target_alone"]
+    assert any("ort_genai skipped" in note for note in result["notes"])
+
+    paths = write_report(result, tmp_path, "tiny")
+    assert [p.name for p in paths] == ["tiny.json", "tiny.md", "tiny.png"]
+    assert json.loads(paths[0].read_text())["configs"][0]["name"] == "pytorch_baseline"
+    assert "| specrt_adaptive |" in paths[1].read_text()
+    assert paths[2].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_per_token_latency_spreads_a_block_over_its_tokens():
+    # first token at 1.0 s; then a block of 3 at 1.6 s; then a single token at 1.8 s
+    got = per_token_latencies([1.0, 1.6, 1.6, 1.6, 1.8], ttft=1.0)
+    assert got == pytest.approx([0.2, 0.2, 0.2, 0.2])

@@ -166,6 +166,30 @@ def hf_runner(model, max_new_tokens: int, assistant=None) -> Callable[[list[int]
     return run
 
 
+def genai_runner(folder: Path, max_new_tokens: int) -> Callable[[list[int]], Run]:
+    """ONNX Runtime GenAI's own loop (target alone, greedy). min_length pins the length, as
+    ignore_eos does for the others; it differs only after an EOS, which the comparison shows."""
+    import onnxruntime_genai as og
+
+    model = og.Model(str(folder))
+
+    def run(ids: list[int]) -> Run:
+        params = og.GeneratorParams(model)
+        total = len(ids) + max_new_tokens
+        params.set_search_options(max_length=total, min_length=total, do_sample=False)
+        generator = og.Generator(model, params)
+        start = time.perf_counter()
+        generator.append_tokens(np.asarray(ids, dtype=np.int32))
+        tokens, times = [], []
+        while not generator.is_done():
+            generator.generate_next_token()
+            tokens.append(int(generator.get_next_tokens()[0]))
+            times.append(time.perf_counter() - start)
+        return Run(tokens, times[-1], times[0], times, target_calls=len(tokens))
+
+    return run
+
+
 def specrt_runner(rt: SpeculativeRuntime, max_new_tokens: int, **options):
     def run(ids: list[int]) -> Run:
         result = rt.generate(ids, max_new_tokens=max_new_tokens, ignore_eos=True, **options)
@@ -216,6 +240,7 @@ def run_bench(
     repeat: int = 1,
     only: Sequence[str] | None = None,
     threads: int | None = None,
+    genai_model: Path | None = None,
     log: Log = print,
 ) -> dict:
     bundle = Bundle.load(bundle_path)
@@ -236,7 +261,16 @@ def run_bench(
         _torch_rows(bundle, max_new_tokens, threads, wanted, record)
         gc.collect()
         rt = SpeculativeRuntime.load(bundle_path, threads=threads)
-    notes.append(_genai_note())
+    if wanted("ort_genai"):
+        note = _genai_missing(genai_model)
+        if note:
+            notes.append(note)
+        else:
+            del rt  # one framework's copy of the target in memory at a time
+            gc.collect()
+            record("ort_genai", genai_runner(genai_model, max_new_tokens))
+            gc.collect()
+            rt = SpeculativeRuntime.load(bundle_path, threads=threads)
     for name, options in specrt_configs(bundle_ks(bundle)):
         if wanted(name):
             record(name, specrt_runner(rt, max_new_tokens, **options))
@@ -278,12 +312,18 @@ def _torch_rows(bundle: Bundle, max_new_tokens, threads, wanted, record) -> None
     del target
 
 
-def _genai_note() -> str:
+def _genai_missing(folder: Path | None) -> str | None:
+    """Why the ONNX Runtime GenAI row cannot run, or None when it can."""
     try:
         import onnxruntime_genai  # noqa: F401
     except ImportError:
         return "ort_genai skipped: onnxruntime-genai is not installed"
-    return "ort_genai skipped: this bench does not build ONNX Runtime GenAI models yet"
+    if folder is None:
+        return (
+            "ort_genai skipped: pass --genai-model DIR (a model built by "
+            "`python -m onnxruntime_genai.models.builder` from the same float32 target)"
+        )
+    return None
 
 
 def _compare(rows: list[Row], outputs: dict) -> None:

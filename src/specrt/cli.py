@@ -293,7 +293,13 @@ def run_comparison(bundle: Path, prompt: str, max_new_tokens: int, *, chat: bool
     "--out", type=click.Path(path_type=Path), default=Path("bench-results"), show_default=True
 )
 @click.option("--name", default=None, help="File stem for the results (default: bundle name).")
-def bench(bundle, prompt_files, max_new_tokens, repeat, only, threads, out, name):
+@click.option(
+    "--genai-model",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="ONNX Runtime GenAI model folder of the same target: adds the ort_genai row.",
+)
+def bench(bundle, prompt_files, max_new_tokens, repeat, only, threads, out, name, genai_model):
     """Benchmark every configuration side by side: JSON, Markdown table and PNG chart."""
     from specrt.bench import load_prompts, markdown, run_bench, write_report
 
@@ -307,6 +313,7 @@ def bench(bundle, prompt_files, max_new_tokens, repeat, only, threads, out, name
         repeat=repeat,
         only=only.split(",") if only else None,
         threads=threads,
+        genai_model=genai_model,
         log=_log,
     )
     for path in write_report(result, out, name or Path(bundle).resolve().name):

@@ -76,3 +76,41 @@ def test_context_overflow_and_bad_rollback_are_refused(bundles, backend):
         engine.forward([5] * engine.capacity)
     with pytest.raises(ValueError, match="roll back"):
         engine.rollback(5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_graph_accepts_a_batch(pairs, bundles, arch):
+    """The runtime decodes one sequence, but the graph's batch dimension is real."""
+    import onnxruntime as ort
+
+    role = Bundle.load(bundles[arch]).role("target")
+    session = ort.InferenceSession(str(role.graph), providers=["CPUExecutionProvider"])
+    shape = role.info["shape"]
+    rows = np.array([TOKENS[:6], TOKENS[10:16]])
+    cache = np.zeros((2, shape["num_kv_heads"], 16, shape["head_dim"]), np.float32)
+    feeds = {
+        "input_ids": rows,
+        "attention_mask": np.ones((2, 6), np.int64),
+        "position_ids": np.tile(np.arange(6), (2, 1)),
+        "logits_to_keep": np.array([6]),
+    }
+    for i in range(shape["num_layers"]):
+        feeds[f"past_key_values.{i}.key"] = cache
+        feeds[f"past_key_values.{i}.value"] = cache
+    batched = session.run(["logits"], feeds)[0]
+    model = AutoModelForCausalLM.from_pretrained(pairs[arch][1]).eval()
+    with torch.no_grad():
+        for b in range(2):
+            want = model(torch.tensor(rows[b : b + 1])).logits[0].numpy()
+            np.testing.assert_allclose(batched[b], want, atol=1e-4, rtol=0)
+
+
+def test_export_check_refuses_a_graph_out_of_tolerance(pairs, tmp_path, monkeypatch):
+    import specrt.exporter.check as check
+    from specrt.exporter.build import build_bundle
+
+    monkeypatch.setattr(check, "RELATIVE_TOLERANCE", 1e-12)  # stricter than float32 can be
+    draft, target = pairs["llama"]
+    with pytest.raises(SpecrtError, match="exported logits differ from PyTorch by"):
+        build_bundle(str(draft), str(target), tmp_path / "b", max_context=64, log=lambda _: None)
+    assert list(tmp_path.iterdir()) == []

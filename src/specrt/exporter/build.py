@@ -8,6 +8,7 @@ memory is one model plus its graph, not two.
 from __future__ import annotations
 
 import gc
+import hashlib
 import importlib.metadata
 import json
 import time
@@ -28,8 +29,6 @@ Log = Callable[[str], None]
 
 def vocabulary_digest(tokenizer) -> str:
     """Identity of a tokenizer's vocabulary (token -> id, added tokens included)."""
-    import hashlib
-
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
     return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
 

@@ -26,6 +26,7 @@ import numpy as np
 from specrt.bundle import Bundle
 from specrt.files import write_json_atomic
 from specrt.runtime import SpeculativeRuntime
+from specrt.runtime.text import TextTokenizer
 
 FIXED_KS = (1, 2, 4, 6, 8)
 Log = Callable[[str], None]
@@ -58,7 +59,6 @@ class Row:
     mismatches_vs_baseline: int = 0
     identical_to_target_alone: bool | None = None
     first_divergence: list[int | None] = field(default_factory=list)
-    note: str = ""
 
 
 def load_prompts(paths: Sequence[Path]) -> list[dict]:
@@ -244,8 +244,8 @@ def run_bench(
     log: Log = print,
 ) -> dict:
     bundle = Bundle.load(bundle_path)
-    rt = SpeculativeRuntime.load(bundle_path, threads=threads)
-    prompt_ids = [rt.encode(p.get("messages") or p["prompt"]) for p in prompts]
+    tokenizer = TextTokenizer.from_bundle(bundle)
+    prompt_ids = [tokenizer.encode_prompt(p.get("messages") or p["prompt"]) for p in prompts]
     wanted = (lambda name: name in only) if only else (lambda name: True)
     rows, outputs, notes = [], {}, []
 
@@ -255,22 +255,18 @@ def run_bench(
         rows.append(row)
         outputs[name] = outs
 
+    # One framework's copy of the models in memory at a time: PyTorch, then GenAI, then specrt.
     if wanted("pytorch_baseline") or wanted("hf_assisted"):
-        del rt  # PyTorch first, alone in memory; ONNX Runtime sessions are loaded after it
-        gc.collect()
         _torch_rows(bundle, max_new_tokens, threads, wanted, record)
         gc.collect()
-        rt = SpeculativeRuntime.load(bundle_path, threads=threads)
     if wanted("ort_genai"):
         note = _genai_missing(genai_model)
         if note:
             notes.append(note)
         else:
-            del rt  # one framework's copy of the target in memory at a time
-            gc.collect()
             record("ort_genai", genai_runner(genai_model, max_new_tokens))
             gc.collect()
-            rt = SpeculativeRuntime.load(bundle_path, threads=threads)
+    rt = SpeculativeRuntime.load(bundle_path, threads=threads)
     for name, options in specrt_configs(bundle_ks(bundle)):
         if wanted(name):
             record(name, specrt_runner(rt, max_new_tokens, **options))
@@ -287,7 +283,7 @@ def run_bench(
             "prompt_sets": sorted({p["set"] for p in prompts}),
         },
         "configs": [asdict(r) for r in rows],
-        "notes": [n for n in notes if n],
+        "notes": notes,
     }
 
 
@@ -296,20 +292,15 @@ def bundle_ks(bundle: Bundle) -> list[int]:
 
 
 def _torch_rows(bundle: Bundle, max_new_tokens, threads, wanted, record) -> None:
-    import torch
+    """The transformers rows, on the bundle's recorded (and re-hashed) source weights."""
+    from specrt.engines.torch import TorchEngine
 
-    from specrt.sources import Source, load_model
-
-    if threads:
-        torch.set_num_threads(threads)
-    target = load_model(Source.parse(bundle.role("target").info["source"]["spec"]))
+    target = TorchEngine.from_bundle(bundle, "target", threads=threads).model
     if wanted("pytorch_baseline"):
         record("pytorch_baseline", hf_runner(target, max_new_tokens))
     if wanted("hf_assisted"):
-        draft = load_model(Source.parse(bundle.role("draft").info["source"]["spec"]))
+        draft = TorchEngine.from_bundle(bundle, "draft", threads=threads).model
         record("hf_assisted", hf_runner(target, max_new_tokens, assistant=draft))
-        del draft
-    del target
 
 
 def _genai_missing(folder: Path | None) -> str | None:

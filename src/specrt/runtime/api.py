@@ -141,8 +141,7 @@ class SpeculativeRuntime:
     ):
         self.bundle = bundle
         self.draft, self.target = draft, target
-        target_role = bundle.role("target")
-        self.tokenizer = TextTokenizer(target_role.folder, bundle.manifest.get("chat_template"))
+        self.tokenizer = TextTokenizer.from_bundle(bundle)
         self.eos_token_ids = frozenset(bundle.eos_token_ids)
         self.controller = controller
         make_controller(controller, bundle.max_draft)  # refuse a bad spec now, not mid-request
@@ -162,15 +161,8 @@ class SpeculativeRuntime:
         return cls(bundle, draft, target, controller=controller)
 
     def encode(self, prompt: Prompt) -> list[int]:
-        """Text is tokenized as is; a list of {role, content} dicts goes through the chat
-        template; a list of ints is taken as token ids."""
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        elif prompt and all(isinstance(m, dict) for m in prompt):
-            text = self.tokenizer.render_chat(prompt)
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
-        else:
-            ids = [int(t) for t in prompt]
+        """Token ids for a prompt (see TextTokenizer.encode_prompt), checked against the context."""
+        ids = self.tokenizer.encode_prompt(prompt)
         if not ids:
             raise SpecrtError("the prompt is empty")
         if len(ids) >= self.bundle.max_context:

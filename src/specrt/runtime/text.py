@@ -21,6 +21,11 @@ def _token_text(value) -> str | None:
 
 
 class TextTokenizer:
+    @classmethod
+    def from_bundle(cls, bundle) -> TextTokenizer:
+        """The target's tokenizer and the bundle's chat template (draft and target share them)."""
+        return cls(bundle.role("target").folder, bundle.manifest.get("chat_template"))
+
     def __init__(self, folder: Path, chat_template: str | None):
         self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
         config_file = folder / "tokenizer_config.json"
@@ -31,6 +36,15 @@ class TextTokenizer:
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_prompt(self, prompt: str | Sequence[dict] | Sequence[int]) -> list[int]:
+        """Text is tokenized as is; a list of {role, content} dicts goes through the chat
+        template; a list of ints is taken as token ids."""
+        if isinstance(prompt, str):
+            return self.encode(prompt)
+        if prompt and all(isinstance(m, dict) for m in prompt):
+            return self.encode(self.render_chat(prompt), add_special_tokens=False)
+        return [int(t) for t in prompt]
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)

@@ -46,6 +46,11 @@ class Role:
     def dim(self, key: str) -> int:
         return int(self.info["shape"][key])
 
+    @property
+    def precision(self) -> str:
+        """fp32, fp16, int8 or int4 (bundles from before per-role precision are fp32)."""
+        return self.info.get("precision", {}).get("weights", "fp32")
+
 
 @dataclass(frozen=True)
 class Bundle:
@@ -66,6 +71,11 @@ class Bundle:
 
     def role(self, name: str) -> Role:
         return Role(name, self.path / name, self.manifest["roles"][name])
+
+    @property
+    def precision_label(self) -> str:
+        """e.g. d-int4_t-fp32: what each role runs at, as bench rows are named."""
+        return f"d-{self.role('draft').precision}_t-{self.role('target').precision}"
 
     @classmethod
     def load(cls, path: str | Path, *, full_check: bool = False) -> Bundle:

@@ -41,12 +41,55 @@ def cli() -> None:
 @click.option("--max-draft", default=8, show_default=True, help="K_max: most drafts per round.")
 @click.option("--max-context", default=2048, show_default=True, help="KV cache positions.")
 @click.option("--force", is_flag=True, help="Replace an existing bundle.")
-def build(draft: str, target: str, out: Path, max_draft: int, max_context: int, force: bool):
+@click.option(
+    "--draft-precision",
+    default="fp32",
+    show_default=True,
+    help="fp32|fp16|int8|int4. Changes acceptance only: outputs stay exact against the target.",
+)
+@click.option(
+    "--target-precision",
+    default="fp32",
+    show_default=True,
+    help="fp32|fp16|int8|int4. Outputs are then exact against this quantized target.",
+)
+@click.option("--block-size", type=int, help="int8/int4 quantization block [default: 128].")
+@click.option(
+    "--accuracy-level",
+    type=int,
+    help="int8/int4 MatMulNBits compute: 4 = int8 activations, 0/1 = float32 [default: 4].",
+)
+def build(
+    draft: str,
+    target: str,
+    out: Path,
+    max_draft: int,
+    max_context: int,
+    force: bool,
+    draft_precision: str,
+    target_precision: str,
+    block_size: int | None,
+    accuracy_level: int | None,
+):
     """Export DRAFT and TARGET to an ONNX bundle, checked against PyTorch."""
     from specrt.exporter.build import build_bundle
+    from specrt.exporter.precision import Precision
 
+    options = {"block_size": block_size, "accuracy_level": accuracy_level}
+    options = {key: value for key, value in options.items() if value is not None}
+    precision = {
+        role: Precision(weights, **options)
+        for role, weights in (("draft", draft_precision), ("target", target_precision))
+    }
     build_bundle(
-        draft, target, out, max_draft=max_draft, max_context=max_context, force=force, log=_log
+        draft,
+        target,
+        out,
+        max_draft=max_draft,
+        max_context=max_context,
+        force=force,
+        precision=precision,
+        log=_log,
     )
     click.echo(f"bundle written: {out}")
 
@@ -67,9 +110,11 @@ def inspect(bundle: Path, as_json: bool):
     click.echo(f"bundle       {bundle}  (format {m['format_version']}, {m['created_utc']})")
     click.echo(f"built with   {versions}")
     click.echo(
-        f"precision    {m['dtype']}   max context {m['max_context']}   "
+        f"limits       max context {m['max_context']}   "
         f"K_max {m['max_draft']}   eos ids {m['eos_token_ids']}"
     )
+    for line in precision_lines(loaded):
+        click.echo(line)
     profiles = "   ".join(
         f"{name} {p['min_tokens']}..{p['max_tokens']}" for name, p in m["profiles"].items()
     )
@@ -92,6 +137,32 @@ def inspect(bundle: Path, as_json: bool):
         )
         files += len(info["files"])
     click.echo(f"files        {files} verified against their sha256")
+
+
+def precision_lines(bundle) -> list[str]:
+    """What each role runs at, and what that means for the outputs."""
+    target = bundle.role("target").precision
+    exact = "the float32 target" if target == "fp32" else f"the {target} target, not float32"
+    lines = []
+    for name in ("draft", "target"):
+        role = bundle.role(name)
+        info = role.info.get("precision", {"weights": "fp32"})
+        how = ""
+        if "block_size" in info:
+            how = f" (MatMulNBits, block {info['block_size']}, accuracy level "
+            how += f"{info['accuracy_level']}; embedding {info['embedding']})"
+        check = role.info["export_check"]
+        if "argmax_agreement_vs_float32" in check:
+            how += (
+                f"; vs float32: max |dlogit| {check['max_abs_logit_diff_vs_float32']:.2e}, "
+                f"argmax agreement {check['argmax_agreement_vs_float32']:.0%}"
+            )
+        label = "precision" if name == "draft" else ""
+        lines.append(f"{label:12} {name} {role.precision}{how}")
+    lines.append(
+        f"{'':12} outputs are exact against {exact}; the draft's precision only moves acceptance"
+    )
+    return lines
 
 
 @cli.command()

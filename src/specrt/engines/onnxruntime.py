@@ -4,7 +4,9 @@ Each layer's key/value buffer is one OrtValue of [1, kv_heads, capacity, head_di
 IOBinding as both the `past` input and the `present` output, so the graph scatters new entries
 into it and no step copies the cache. The current length lives in Python: rollback is setting an
 int, and the next call's attention_mask length tells the graph where to write. Logits land in a
-preallocated host buffer. Imports neither torch nor transformers.
+preallocated host buffer. Cache and logits take the graph's own float type (an fp16 graph keeps
+an fp16 cache); the runtime always receives float32 logits. Imports neither torch nor
+transformers.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from specrt.engines.base import check_rollback, check_room
 from specrt.errors import SpecrtError
 
 DEVICE_OF_PROVIDER = {"CUDAExecutionProvider": "cuda", "TensorrtExecutionProvider": "cuda"}
+FLOAT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 
 
 def default_threads() -> int:
@@ -57,15 +60,19 @@ class OrtEngine:
         self.capacity = capacity
         self._length = 0
         self._binding = self.session.io_binding()
+        types = {i.name: i.type for i in self.session.get_inputs()}
+        types.update({o.name: o.type for o in self.session.get_outputs()})
+        cache_type = FLOAT_TYPES[types["past_key_values.0.key"]]
+        self._logits_type = FLOAT_TYPES[types["logits"]]
         shape = [1, num_kv_heads, capacity, head_dim]
         for i in range(num_layers):
             for kind in ("key", "value"):
-                buffer = ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float32, self.device)
+                buffer = ort.OrtValue.ortvalue_from_shape_and_type(shape, cache_type, self.device)
                 self._binding.bind_ortvalue_input(f"past_key_values.{i}.{kind}", buffer)
                 self._binding.bind_ortvalue_output(f"present.{i}.{kind}", buffer)
         self._mask = np.ones((1, capacity), np.int64)
         self._positions = np.arange(capacity, dtype=np.int64)[None]
-        self._logits = np.empty((1, 16, vocab_size), np.float32)
+        self._logits = np.empty((1, 16, vocab_size), self._logits_type)
 
     @classmethod
     def from_bundle(cls, bundle: Bundle, role: str, **options) -> OrtEngine:
@@ -101,9 +108,9 @@ class OrtEngine:
         bind.bind_cpu_input("position_ids", self._positions[:, start:end])
         bind.bind_cpu_input("logits_to_keep", np.array([keep], dtype=np.int64))
         if keep > self._logits.shape[1]:
-            self._logits = np.empty((1, keep, self.vocab_size), np.float32)
+            self._logits = np.empty((1, keep, self.vocab_size), self._logits_type)
         out = self._logits[:, :keep]
-        bind.bind_output("logits", "cpu", 0, np.float32, list(out.shape), out.ctypes.data)
+        bind.bind_output("logits", "cpu", 0, self._logits_type, list(out.shape), out.ctypes.data)
         self.session.run_with_iobinding(bind)
         self._length = end
-        return out[0].copy()
+        return out[0].astype(np.float32)

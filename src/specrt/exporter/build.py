@@ -11,6 +11,7 @@ import gc
 import hashlib
 import importlib.metadata
 import json
+import shutil
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -19,8 +20,9 @@ from pathlib import Path
 from specrt import __version__
 from specrt.bundle import FORMAT_VERSION, MANIFEST, ROLES, check_pair
 from specrt.errors import SpecrtError
-from specrt.exporter.check import check_graph
+from specrt.exporter.check import check_graph, compare_converted
 from specrt.exporter.graph import write_graph
+from specrt.exporter.precision import Precision, convert_graph
 from specrt.files import atomic_dir, hash_tree, write_json_atomic
 from specrt.sources import Source, load_model, load_tokenizer
 
@@ -65,9 +67,14 @@ def build_bundle(
     max_draft: int = 8,
     max_context: int = 2048,
     force: bool = False,
+    precision: dict[str, Precision] | None = None,
     log: Log = print,
 ) -> Path:
-    """Export, check and write a bundle atomically; return its path."""
+    """Export, check and write a bundle atomically; return its path.
+
+    precision maps a role to its weight precision (float32 where not given).
+    """
+    precision = {role: (precision or {}).get(role, Precision()) for role in ROLES}
     if not 1 <= max_draft <= 64:
         raise SpecrtError(f"--max-draft must be between 1 and 64, got {max_draft}")
     if max_context < max_draft + 2:
@@ -83,20 +90,23 @@ def build_bundle(
         )
     out = Path(out)
     roles: dict[str, dict] = {}
+    eos: dict[str, list[int]] = {}
     with atomic_dir(out, force=force) as tmp:
         for role in ROLES:
-            roles[role], model = _export_role(
-                role, sources[role], tokenizers[role], digests[role], tmp / role, max_context, log
+            roles[role], eos[role] = _export_role(
+                role,
+                sources[role],
+                tokenizers[role],
+                digests[role],
+                tmp / role,
+                max_context,
+                precision[role],
+                log,
             )
-            if role == "target":
-                eos = eos_token_ids(model, tokenizers[role])
-            del model
-            gc.collect()
         manifest = {
             "format_version": FORMAT_VERSION,
             "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "versions": _versions(),
-            "dtype": "float32",
             "max_context": max_context,
             "max_draft": max_draft,
             "profiles": {
@@ -104,7 +114,7 @@ def build_bundle(
                 "decode": {"min_tokens": 1, "max_tokens": 1},
                 "verify": {"min_tokens": 2, "max_tokens": max_draft + 1},
             },
-            "eos_token_ids": eos,
+            "eos_token_ids": eos["target"],  # the target decides when text ends
             "chat_template": tokenizers["target"].chat_template,
             "roles": roles,
         }
@@ -115,26 +125,53 @@ def build_bundle(
 
 
 def _export_role(
-    role: str, source: Source, tokenizer, digest: str, folder: Path, max_context: int, log: Log
-):
+    role: str,
+    source: Source,
+    tokenizer,
+    digest: str,
+    folder: Path,
+    max_context: int,
+    precision: Precision,
+    log: Log,
+) -> tuple[dict, list[int]]:
+    """Export one role into folder; return its manifest entry and its end-of-sequence ids.
+
+    A converted role is first exported and checked in float32 beside folder, then converted, and
+    the float32 graph is deleted: the check against PyTorch is always made at full precision.
+    """
     started = time.perf_counter()
     log(f"[{role}] loading {source.spec}")
     model = load_model(source)
     limit = getattr(model.config, "max_position_embeddings", max_context)
     if max_context > limit:
         raise SpecrtError(f"{role}: --max-context {max_context} exceeds the model's {limit}")
-    folder.mkdir(parents=True)
+    float32 = folder if precision.weights == "fp32" else folder.with_name(f"{role}.fp32")
+    float32.mkdir(parents=True)
     log(
         f"[{role}] exporting ONNX graph ({model.config.model_type}, "
         f"{model.config.num_hidden_layers} layers)"
     )
-    shape = write_graph(model, folder, max_context)
+    shape = write_graph(model, float32, max_context)
     log(f"[{role}] checking the graph against PyTorch")
-    check = check_graph(model, folder / "model.onnx", shape)
+    check = check_graph(model, float32 / "model.onnx", shape)
     log(
         f"[{role}] max |logit difference| {check['max_abs_logit_diff']:.2e} "
         f"(tolerance {check['tolerance']:.2e})"
     )
+    eos = eos_token_ids(model, tokenizer)
+    del model
+    gc.collect()
+    if float32 != folder:
+        log(f"[{role}] converting the weights to {precision.weights}")
+        folder.mkdir()
+        convert_graph(float32 / "model.onnx", folder, precision)
+        check.update(compare_converted(float32 / "model.onnx", folder / "model.onnx", shape))
+        log(
+            f"[{role}] {precision.weights}: max |logit difference| vs float32 "
+            f"{check['max_abs_logit_diff_vs_float32']:.2e}, argmax agreement "
+            f"{check['argmax_agreement_vs_float32']:.0%}"
+        )
+        shutil.rmtree(float32)
     tokenizer.save_pretrained(folder)
     if not (folder / "tokenizer.json").is_file():
         raise SpecrtError(f"{source.spec}: the tokenizer has no tokenizer.json to ship")
@@ -143,9 +180,10 @@ def _export_role(
         "source": source.describe(),
         "shape": shape.as_dict(),
         "graph": "model.onnx",
+        "precision": precision.as_dict(),
         "tokenizer_sha256": digest,
         "export_check": check,
         "export_seconds": round(time.perf_counter() - started, 2),
         "files": hash_tree(folder),
     }
-    return info, model
+    return info, eos

@@ -76,7 +76,7 @@ def model_shape(config) -> ModelShape:
     )
 
 
-class _ExternalData:
+class ExternalData:
     """Streams weights into one side file so the graph proto stays small."""
 
     def __init__(self, handle, location: str):
@@ -106,7 +106,7 @@ class _ExternalData:
 class _Builder:
     """Appends nodes and initializers; every op returns the name of its single output."""
 
-    def __init__(self, data: _ExternalData):
+    def __init__(self, data: ExternalData):
         self.data = data
         self.nodes: list = []
         self.initializers: list = []
@@ -172,7 +172,7 @@ def write_graph(model, out_dir: Path, capacity: int) -> ModelShape:
     eps = float(model.config.rms_norm_eps)
     inner = model.model
     with open(out_dir / "model.onnx.data", "wb") as handle:
-        b = _Builder(_ExternalData(handle, "model.onnx.data"))
+        b = _Builder(ExternalData(handle, "model.onnx.data"))
         # Shapes: S new tokens, T total (past + new), P = T - S already cached.
         ids_shape = b.op("Shape", "input_ids")
         batch = b.op("Slice", ids_shape, b.const([0]), b.const([1]))

@@ -23,6 +23,7 @@ from specrt.engines import load_engine
 from specrt.engines.base import Engine
 from specrt.errors import SpecrtError
 from specrt.runtime.controller import make_controller
+from specrt.runtime.costs import StepCosts, measure_costs
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.speculative import LoopStats, Request, speculate
 from specrt.runtime.text import IncrementalDecoder, TextTokenizer
@@ -145,6 +146,13 @@ class SpeculativeRuntime:
         self.eos_token_ids = frozenset(bundle.eos_token_ids)
         self.controller = controller
         make_controller(controller, bundle.max_draft)  # refuse a bad spec now, not mid-request
+        self.costs = StepCosts()  # learned by the requests' adaptive policies, or calibrated
+
+    def calibrate(self) -> StepCosts:
+        """Measure the draft step and the verify curve for K = 0..K_max now (a few target calls),
+        so the adaptive policy's first rounds already use this machine's costs."""
+        self.costs = measure_costs(self.draft, self.target, self.bundle.max_draft)
+        return self.costs
 
     @classmethod
     def load(
@@ -153,12 +161,16 @@ class SpeculativeRuntime:
         *,
         backend: str = "onnxruntime",
         controller: str = "adaptive",
+        calibrate: bool = True,
         **engine_options,
     ) -> SpeculativeRuntime:
         bundle = Bundle.load(path)
         draft = load_engine(bundle, "draft", backend, **engine_options)
         target = load_engine(bundle, "target", backend, **engine_options)
-        return cls(bundle, draft, target, controller=controller)
+        runtime = cls(bundle, draft, target, controller=controller)
+        if calibrate:
+            runtime.calibrate()
+        return runtime
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids for a prompt (see TextTokenizer.encode_prompt), checked against the context."""
@@ -198,7 +210,7 @@ class SpeculativeRuntime:
         if load < 0:
             raise SpecrtError(f"load must be >= 0, got {load}")
         params = SamplingParams(temperature, top_k, top_p)
-        policy = make_controller(controller or self.controller, self.bundle.max_draft)
+        policy = make_controller(controller or self.controller, self.bundle.max_draft, self.costs)
         request = Request(
             self.encode(prompt), params, max_new_tokens, np.random.default_rng(seed), load
         )

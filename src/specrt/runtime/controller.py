@@ -6,9 +6,9 @@ reason, so every choice is explainable in the stats.
 
 The adaptive policy maximises expected tokens per second. With per-token acceptance α, a round
 of K drafts emits E = (1 - α^(K+1)) / (1 - α) tokens and costs K·c_draft + c_verify(K); α decays
-toward recent rounds of this request, and c_verify(K) is a least-squares line through the verify
-times measured so far (a verify call of K+1 tokens costs little more than one while weights are
-the bottleneck, and the line learns how much).
+toward recent rounds of this request, while c_draft and the c_verify curve come from `StepCosts`,
+which the runtime measures at load and shares across requests (costs belong to the machine, the
+acceptance to the request).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specrt.errors import SpecrtError
+from specrt.runtime.costs import StepCosts
 
 
 @dataclass(frozen=True)
@@ -79,10 +80,9 @@ class Adaptive:
     prior_weight: float = 2.0  # pseudo-tokens behind the prior; they decay like real ones
     confidence_threshold: float = 0.4  # stop drafting when the draft's top probability is below
     long_context: int = 1024  # past this many tokens, K is halved (attention starts to cost)
+    costs: StepCosts = field(default_factory=StepCosts)  # shared by the runtime's requests
     accepted: float = field(init=False)
     rejected: float = field(init=False)
-    draft_cost: float | None = None
-    verify_times: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.accepted = self.prior_alpha * self.prior_weight
@@ -92,15 +92,6 @@ class Adaptive:
     def alpha(self) -> float:
         """Acceptance per drafted token: the geometric MLE over recent, decayed observations."""
         return self.accepted / (self.accepted + self.rejected)
-
-    def verify_cost(self, k: int) -> float:
-        """c_verify(k): fitted line through measured (k, seconds); flat with one point."""
-        ks = np.array(list(self.verify_times), dtype=float)
-        secs = np.array(list(self.verify_times.values()))
-        if len(ks) == 1:
-            return float(secs[0])
-        slope, intercept = np.polyfit(ks, secs, 1)
-        return float(max(intercept + max(slope, 0.0) * k, 1e-9))
 
     def decide(self, ctx: RoundContext) -> Decision:
         cap, why = min(self.k_max, ctx.k_max), []
@@ -112,7 +103,7 @@ class Adaptive:
             why.append(f"long context caps K at {cap}")
         if cap <= self.k_min:
             return Decision(cap, "; ".join(why + [f"room for {cap} only"]))
-        if self.draft_cost is None or not self.verify_times:
+        if not self.costs.ready:
             k = min(cap, max(self.k_min, 4))
             return Decision(k, "; ".join(why + [f"warming up (alpha={self.alpha:.2f})"]))
         alpha = min(self.alpha, 0.999)
@@ -120,14 +111,18 @@ class Adaptive:
         rates = [self._rate(k, alpha) for k in candidates]
         k = candidates[int(np.argmax(rates))]
         why.append(
-            f"alpha={alpha:.2f} c_draft/c_verify={self.draft_cost / self.verify_cost(1):.2f}"
-            f" -> {max(rates):.1f} tok/s"
+            f"alpha={alpha:.2f} c_draft/c_verify={self.costs.draft_step / self._verify(0):.2f} "
+            f"c_verify(K)/c_verify(0)={self._verify(k) / self._verify(0):.2f} "
+            f"-> {max(rates):.1f} tok/s"
         )
         return Decision(k, "; ".join(why))
 
+    def _verify(self, k: int) -> float:
+        return self.costs.verify_cost(k + 1)  # K drafts are verified with K+1 new tokens
+
     def _rate(self, k: int, alpha: float) -> float:
         tokens = (1 - alpha ** (k + 1)) / (1 - alpha)
-        return tokens / (k * self.draft_cost + self.verify_cost(k))
+        return tokens / (k * self.costs.draft_step + self._verify(k))
 
     def observe(self, k: int, accepted: int, draft_s: float, verify_s: float) -> None:
         if k > 0:
@@ -135,16 +130,13 @@ class Adaptive:
             fade = self.decay ** (accepted + rejected)
             self.accepted = fade * self.accepted + accepted
             self.rejected = fade * self.rejected + rejected
-            per_step = draft_s / k
-            self.draft_cost = (
-                per_step if self.draft_cost is None else (0.7 * self.draft_cost + 0.3 * per_step)
-            )
-        old = self.verify_times.get(k)
-        self.verify_times[k] = verify_s if old is None else 0.7 * old + 0.3 * verify_s
+            self.costs.observe_draft(draft_s, k)
+        self.costs.observe_verify(k + 1, verify_s)
 
 
-def make_controller(spec, k_max: int):
-    """`fixed:K`, `heuristic` or `adaptive`; K must fit the bundle's K_max.
+def make_controller(spec, k_max: int, costs: StepCosts | None = None):
+    """`fixed:K`, `heuristic` or `adaptive`; K must fit the bundle's K_max. `adaptive` reads and
+    refines `costs` when given (the runtime's shared, calibrated ones), else learns its own.
 
     Anything else with `decide`, `observe` and `confidence_threshold` is a policy already and is
     used as given (one instance per request, since policies keep per-request state).
@@ -165,5 +157,5 @@ def make_controller(spec, k_max: int):
     if name == "heuristic":
         return Heuristic(k_max=k_max, start=min(4, k_max))
     if name == "adaptive":
-        return Adaptive(k_max=k_max)
+        return Adaptive(k_max=k_max, costs=costs or StepCosts())
     raise SpecrtError(f"unknown controller {spec!r}; use fixed:K, heuristic or adaptive")

@@ -1,0 +1,89 @@
+"""What a draft step and a verify call cost on this machine, as a function of new tokens.
+
+Costs belong to the engines and the machine, not to one request, so one `StepCosts` lives on the
+runtime and every request's adaptive policy reads and refines it. The verify curve is measured,
+not modelled: weight-streaming float32 kernels make a 9-token call cost ~1.5x a 1-token call,
+while int4 kernels that are compute-bound for more than one row make it 3x or more, and no single
+formula fits both. `measure_costs` measures every count the runtime can use once at load time; each
+round then refines the count it used (EWMA). Counts never measured are interpolated linearly
+between measured neighbours, or extrapolated from the last two.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from specrt.engines.base import Engine
+
+SMOOTHING = 0.3  # weight of a new observation: follows load changes within a few rounds
+PREFIX = 48  # tokens of context behind a calibration call, a typical short prompt
+
+
+@dataclass
+class StepCosts:
+    """Seconds per draft step, and seconds per verify call by its number of new tokens."""
+
+    draft_step: float | None = None
+    verify: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def ready(self) -> bool:
+        return self.draft_step is not None and bool(self.verify)
+
+    def observe_draft(self, seconds: float, steps: int) -> None:
+        self.draft_step = _blend(self.draft_step, seconds / steps)
+
+    def observe_verify(self, new_tokens: int, seconds: float) -> None:
+        self.verify[new_tokens] = _blend(self.verify.get(new_tokens), seconds)
+
+    def verify_cost(self, new_tokens: int) -> float:
+        """c_verify for a call with new_tokens tokens, from the measured curve."""
+        if new_tokens in self.verify:
+            return self.verify[new_tokens]
+        known = sorted(self.verify)
+        if len(known) == 1:
+            return self.verify[known[0]]
+        below = [n for n in known if n < new_tokens][-2:]
+        above = [n for n in known if n > new_tokens][:2]
+        if below and above:
+            a, b = below[-1], above[0]
+        else:
+            a, b = below if below else above
+        slope = (self.verify[b] - self.verify[a]) / (b - a)
+        return max(self.verify[a] + slope * (new_tokens - a), 1e-9)
+
+    def curve(self) -> dict[int, float]:
+        return dict(sorted(self.verify.items()))
+
+
+def _blend(old: float | None, new: float) -> float:
+    return new if old is None else (1 - SMOOTHING) * old + SMOOTHING * new
+
+
+def measure_verify_curve(
+    engine: Engine, max_new_tokens: int, repeats: int = 2, prefix: int = PREFIX
+) -> dict[int, float]:
+    """Seconds of one call with 1..max_new_tokens new tokens after a `prefix`-token context
+    (the fastest of `repeats`: the machine is shared, and noise only ever adds time)."""
+    prefix = min(prefix, engine.capacity - max_new_tokens)
+    engine.reset()
+    engine.forward([1] * prefix, last=1)
+    curve = {}
+    for count in range(1, max_new_tokens + 1):
+        times = []
+        for _ in range(repeats):
+            engine.rollback(prefix)
+            start = time.perf_counter()
+            engine.forward([1] * count)
+            times.append(time.perf_counter() - start)
+        curve[count] = min(times)
+    engine.reset()
+    return curve
+
+
+def measure_costs(draft: Engine, target: Engine, k_max: int) -> StepCosts:
+    """Measure the target's verify curve for K = 0..k_max and the draft's step cost."""
+    costs = StepCosts(verify=measure_verify_curve(target, k_max + 1))
+    costs.draft_step = measure_verify_curve(draft, 1)[1]
+    return costs

@@ -1,0 +1,125 @@
+"""Per-role precision: quantized and half-precision graphs build, load and generate; a quantized
+draft leaves the output exactly the target's, and a quantized target's output is exactly that
+quantized target's own."""
+
+from __future__ import annotations
+
+import json
+
+import onnx
+import pytest
+from click.testing import CliRunner
+
+from specrt.cli import cli
+from specrt.errors import SpecrtError
+from specrt.exporter.build import build_bundle
+from specrt.exporter.precision import Precision
+from specrt.runtime import SpeculativeRuntime
+
+PROMPTS = ["def fibonacci(n):", "The quick brown fox", "User: What is the capital"]
+CONTROLLERS = ["fixed:1", "fixed:4", "adaptive"]
+COMBINATIONS = {  # name: (architecture, draft precision, target precision)
+    "d-int4_t-fp32": ("qwen2", "int4", "fp32"),  # tied head: untied for the quantizer
+    "d-int8_t-int4": ("llama", "int8", "int4"),
+    "d-fp16_t-fp16": ("qwen2", "fp16", "fp16"),
+}
+
+
+@pytest.fixture(scope="module")
+def quantized(pairs, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("precision")
+    built = {}
+    for name, (arch, draft, target) in COMBINATIONS.items():
+        draft_src, target_src = pairs[arch]
+        path = build_bundle(
+            str(draft_src),
+            str(target_src),
+            root / name,
+            max_context=128,
+            precision={"draft": Precision(draft), "target": Precision(target)},
+            log=lambda _: None,
+        )
+        built[name] = SpeculativeRuntime.load(path, threads=1)
+    return built
+
+
+@pytest.mark.parametrize("name", COMBINATIONS)
+def test_greedy_equals_the_same_target_alone(quantized, name):
+    rt = quantized[name]
+    assert rt.bundle.precision_label == name
+    accepted = 0
+    for prompt in PROMPTS:
+        alone = rt.generate(prompt, max_new_tokens=40, speculate=False, ignore_eos=True)
+        for controller in CONTROLLERS:
+            spec = rt.generate(prompt, max_new_tokens=40, controller=controller, ignore_eos=True)
+            assert spec.token_ids == alone.token_ids, (prompt, controller)
+            accepted += spec.stats.accepted
+    assert accepted > 0
+
+
+def test_a_quantized_draft_changes_acceptance_not_output(quantized, bundles):
+    """int4 draft + float32 target gives exactly the float32 bundle's target-alone tokens."""
+    float32 = SpeculativeRuntime.load(bundles["qwen2"], threads=1)
+    mixed = quantized["d-int4_t-fp32"]
+    for prompt in PROMPTS:
+        want = float32.generate(prompt, max_new_tokens=40, speculate=False, ignore_eos=True)
+        got = mixed.generate(prompt, max_new_tokens=40, ignore_eos=True)
+        assert got.token_ids == want.token_ids
+
+
+def test_graphs_and_manifest_record_what_each_role_runs(quantized):
+    bundle = quantized["d-int4_t-fp32"].bundle
+    draft = bundle.role("draft")
+    graph = onnx.load(str(draft.graph), load_external_data=False)
+    ops = {node.op_type for node in graph.graph.node}
+    assert "MatMulNBits" in ops and "Gemm" not in ops  # the tied head was untied and quantized
+    gathers = [n for n in graph.graph.node if n.op_type == "Gather"]
+    assert any(n.input[0] == "embed_tokens.weight" for n in gathers)  # embedding kept float32
+    assert draft.info["precision"]["weights"] == "int4"
+    assert draft.info["precision"]["block_size"] == 128
+    check = draft.info["export_check"]
+    assert check["max_abs_logit_diff"] <= check["tolerance"]  # float32 graph checked first
+    assert 0 < check["argmax_agreement_vs_float32"] <= 1
+    assert bundle.role("target").info["precision"] == {"weights": "fp32"}
+    half = quantized["d-fp16_t-fp16"].bundle.role("target")
+    inputs = onnx.load(str(half.graph), load_external_data=False).graph.input
+    cache = next(i for i in inputs if i.name == "past_key_values.0.key")
+    assert cache.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
+
+
+def test_inspect_says_what_outputs_are_exact_against(quantized):
+    runner = CliRunner()
+    mixed = runner.invoke(cli, ["inspect", str(quantized["d-int4_t-fp32"].bundle.path)])
+    assert mixed.exit_code == 0, mixed.output
+    assert "draft int4 (MatMulNBits, block 128" in mixed.output
+    assert "exact against the float32 target" in mixed.output
+    both = runner.invoke(cli, ["inspect", str(quantized["d-int8_t-int4"].bundle.path)])
+    assert "exact against the int4 target, not float32" in both.output
+    listing = runner.invoke(cli, ["inspect", "--json", str(quantized["d-int8_t-int4"].bundle.path)])
+    manifest = json.loads(listing.output)
+    assert manifest["roles"]["target"]["precision"]["weights"] == "int4"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ({"weights": "int3"}, "not one of fp32, fp16, int8, int4"),
+        ({"weights": "int4", "block_size": 48}, "power of two"),
+        ({"weights": "int4", "accuracy_level": 7}, "accuracy level"),
+    ],
+)
+def test_bad_precision_is_a_clear_error(args, message):
+    with pytest.raises(SpecrtError, match=message):
+        Precision(**args)
+
+
+def test_build_refuses_a_bad_precision_before_exporting(pairs, tmp_path):
+    draft, target = pairs["llama"]
+    result = CliRunner().invoke(
+        cli,
+        ["build", "--draft", str(draft), "--target", str(target), "--out", str(tmp_path / "b")]
+        + ["--target-precision", "int2"],
+    )
+    assert result.exit_code == 1
+    assert "precision 'int2' is not one of" in result.output
+    assert not (tmp_path / "b").exists()

@@ -39,6 +39,32 @@ def bundles(pairs, tmp_path_factory) -> dict[str, Path]:
     return out
 
 
+PRECISION_COMBINATIONS = {  # name: (architecture, draft precision, target precision)
+    "d-int4_t-fp32": ("qwen2", "int4", "fp32"),  # tied head: untied for the quantizer
+    "d-int8_t-int4": ("llama", "int8", "int4"),
+    "d-fp16_t-fp16": ("qwen2", "fp16", "fp16"),
+}
+
+
+@pytest.fixture(scope="session")
+def precision_bundles(pairs, tmp_path_factory) -> dict[str, Path]:
+    """Bundles of the tiny pairs at other precisions, keyed by their precision label."""
+    from specrt.exporter.precision import Precision
+
+    root = tmp_path_factory.mktemp("precision")
+    built = {}
+    for name, (arch, draft, target) in PRECISION_COMBINATIONS.items():
+        built[name] = build_bundle(
+            str(pairs[arch][0]),
+            str(pairs[arch][1]),
+            root / name,
+            max_context=MAX_CONTEXT,
+            precision={"draft": Precision(draft), "target": Precision(target)},
+            log=_quiet,
+        )
+    return built
+
+
 @pytest.fixture(scope="session")
 def agree_bundle(tmp_path_factory) -> Path:
     """A draft that always agrees and costs a fraction of the target: the target has 16 layers,

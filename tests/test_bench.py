@@ -43,6 +43,33 @@ def test_bench_writes_json_markdown_and_chart(bundles, tmp_path):
     assert paths[2].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_runs_precision_combinations_side_by_side(bundles, precision_bundles, tmp_path):
+    prompts = load_prompts(PROMPT_FILES)[:2]
+    mixed = "d-int4_t-fp32"
+    only = ["specrt_target_only", "specrt_adaptive", f"specrt_target_only_{mixed}"]
+    only += [f"specrt_adaptive_{mixed}", "ort_genai_int4"]
+    result = run_bench(
+        [bundles["qwen2"], precision_bundles[mixed]],
+        prompts,
+        max_new_tokens=8,
+        only=only,
+        genai_models={"int4": None},
+        log=lambda _: None,
+    )
+    rows = {row["name"]: row for row in result["configs"]}
+    assert list(rows) == only[:4]
+    assert rows[f"specrt_adaptive_{mixed}"]["exact_against"] == f"specrt_target_only_{mixed}"
+    assert all(row["identical_to_target_alone"] for row in rows.values())
+    assert all(row["rss_mb"] > 0 for row in rows.values()) and result["peak_rss_mb"] > 0
+    assert result["settings"]["precisions"] == ["d-fp32_t-fp32", mixed]
+    curve = result["costs"][mixed]["verify_ratio"]
+    assert sorted(curve) == list(range(1, 18)) and curve[1] == 1.0
+    assert any(note.startswith("ort_genai_int4 skipped") for note in result["notes"])
+    markdown = write_report(result, tmp_path, "mixed")[1].read_text()
+    assert f"| specrt_adaptive_{mixed} |" in markdown
+    assert f"| {mixed} |" in markdown  # the verify-cost table
+
+
 def test_per_token_latency_spreads_a_block_over_its_tokens():
     # first token at 1.0 s; then a block of 3 at 1.6 s; then a single token at 1.8 s
     got = per_token_latencies([1.0, 1.6, 1.6, 1.6, 1.8], ttft=1.0)

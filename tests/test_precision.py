@@ -12,38 +12,21 @@ from click.testing import CliRunner
 
 from specrt.cli import cli
 from specrt.errors import SpecrtError
-from specrt.exporter.build import build_bundle
 from specrt.exporter.precision import Precision
 from specrt.runtime import SpeculativeRuntime
 
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "User: What is the capital"]
 CONTROLLERS = ["fixed:1", "fixed:4", "adaptive"]
-COMBINATIONS = {  # name: (architecture, draft precision, target precision)
-    "d-int4_t-fp32": ("qwen2", "int4", "fp32"),  # tied head: untied for the quantizer
-    "d-int8_t-int4": ("llama", "int8", "int4"),
-    "d-fp16_t-fp16": ("qwen2", "fp16", "fp16"),
-}
 
 
 @pytest.fixture(scope="module")
-def quantized(pairs, tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("precision")
-    built = {}
-    for name, (arch, draft, target) in COMBINATIONS.items():
-        draft_src, target_src = pairs[arch]
-        path = build_bundle(
-            str(draft_src),
-            str(target_src),
-            root / name,
-            max_context=128,
-            precision={"draft": Precision(draft), "target": Precision(target)},
-            log=lambda _: None,
-        )
-        built[name] = SpeculativeRuntime.load(path, threads=1)
-    return built
+def quantized(precision_bundles) -> dict:
+    return {
+        name: SpeculativeRuntime.load(path, threads=1) for name, path in precision_bundles.items()
+    }
 
 
-@pytest.mark.parametrize("name", COMBINATIONS)
+@pytest.mark.parametrize("name", ["d-int4_t-fp32", "d-int8_t-int4", "d-fp16_t-fp16"])
 def test_greedy_equals_the_same_target_alone(quantized, name):
     rt = quantized[name]
     assert rt.bundle.precision_label == name

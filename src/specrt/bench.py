@@ -1,9 +1,11 @@
 """`specrt bench`: every configuration on the same prompts, in one process, side by side.
 
 This machine is shared and noisy, so only ratios measured in one run mean anything: the PyTorch
-baseline, transformers' assisted generation, and specrt's configurations all run here, greedy,
-each after a warm-up, on the same token ids. Every output is compared with the baseline's and
-with specrt's own target-alone output, and mismatches are counted, not hidden.
+baseline, transformers' assisted generation, ONNX Runtime GenAI, and specrt's configurations on
+one or more bundles (precision combinations) all run here, greedy, each after a warm-up, on the
+same token ids. Every output is compared with the baseline's and with the target-alone output of
+its own bundle (what it is lossless against), and mismatches are counted, not hidden. Each
+bundle's verify-cost curve and the process's memory are recorded beside the speeds.
 
 Per-token latency: a round emits its block of tokens at once, so each token is charged the
 time since the previous block divided by the tokens in its block (for one-token decoding this
@@ -16,6 +18,8 @@ import gc
 import json
 import os
 import platform
+import re
+import resource
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -26,9 +30,12 @@ import numpy as np
 from specrt.bundle import Bundle
 from specrt.files import write_json_atomic
 from specrt.runtime import SpeculativeRuntime
+from specrt.runtime.costs import measure_verify_curve
 from specrt.runtime.text import TextTokenizer
 
 FIXED_KS = (1, 2, 4, 6, 8)
+CURVE_TOKENS = 17  # verify costs are reported for K = 0..16 drafts
+TARGET_ALONE = "specrt_target_only"
 Log = Callable[[str], None]
 
 
@@ -58,7 +65,9 @@ class Row:
     identical_to_baseline: bool | None = None
     mismatches_vs_baseline: int = 0
     identical_to_target_alone: bool | None = None
+    exact_against: str | None = None  # the target-alone row this row must reproduce
     first_divergence: list[int | None] = field(default_factory=list)
+    rss_mb: float = 0.0  # resident memory after the row, with its engines loaded
 
 
 def load_prompts(paths: Sequence[Path]) -> list[dict]:
@@ -223,68 +232,122 @@ def measure(name: str, runner, prompt_ids: list[list[int]], repeat: int, log: Lo
     return summarize(name, runs), outputs
 
 
-def specrt_configs(ks: Sequence[int] = FIXED_KS) -> list[tuple[str, dict]]:
-    configs = [("specrt_target_only", {"speculate": False})]
+def specrt_configs(ks: Sequence[int] = FIXED_KS, suffix: str = "") -> list[tuple[str, dict]]:
+    configs = [(TARGET_ALONE, {"speculate": False})]
     configs += [(f"specrt_fixed_{k}", {"controller": f"fixed:{k}"}) for k in ks]
-    return configs + [
+    configs += [
         ("specrt_heuristic", {"controller": "heuristic"}),
         ("specrt_adaptive", {"controller": "adaptive"}),
     ]
+    return [(name + suffix, options) for name, options in configs]
+
+
+def genai_row_name(label: str) -> str:
+    """`ort_genai` for an unlabelled GenAI model, `ort_genai_int4` for one labelled int4."""
+    return "ort_genai" if not label else f"ort_genai_{label}"
 
 
 def run_bench(
-    bundle_path: Path,
+    bundle_paths: Path | Sequence[Path],
     prompts: list[dict],
     *,
     max_new_tokens: int = 128,
     repeat: int = 1,
     only: Sequence[str] | None = None,
     threads: int | None = None,
-    genai_model: Path | None = None,
+    genai_models: dict[str, Path] | None = None,
     log: Log = print,
 ) -> dict:
-    bundle = Bundle.load(bundle_path)
-    tokenizer = TextTokenizer.from_bundle(bundle)
+    """Baselines from the first bundle's recorded sources, then specrt rows for every bundle.
+
+    Rows of a bundle that is not float32 throughout carry its precision label as a suffix
+    (specrt_adaptive_d-int4_t-fp32); genai_models maps a label ("" or "int4") to a model folder.
+    """
+    paths = [Path(bundle_paths)] if isinstance(bundle_paths, str | Path) else list(bundle_paths)
+    bundles = [Bundle.load(path) for path in paths]
+    tokenizer = TextTokenizer.from_bundle(bundles[0])
     prompt_ids = [tokenizer.encode_prompt(p.get("messages") or p["prompt"]) for p in prompts]
     wanted = (lambda name: name in only) if only else (lambda name: True)
-    rows, outputs, notes = [], {}, []
+    rows, outputs, notes, costs = [], {}, [], {}
 
-    def record(name, runner):
+    def record(name, runner, exact_against=None):
         log(f"{name}:")
         row, outs = measure(name, runner, prompt_ids, repeat, log)
+        row.exact_against, row.rss_mb = exact_against, current_rss_mb()
         rows.append(row)
         outputs[name] = outs
 
     # One framework's copy of the models in memory at a time: PyTorch, then GenAI, then specrt.
     if wanted("pytorch_baseline") or wanted("hf_assisted"):
-        _torch_rows(bundle, max_new_tokens, threads, wanted, record)
+        _torch_rows(bundles[0], max_new_tokens, threads, wanted, record)
         gc.collect()
-    if wanted("ort_genai"):
-        note = _genai_missing(genai_model)
-        if note:
-            notes.append(note)
-        else:
-            record("ort_genai", genai_runner(genai_model, max_new_tokens))
-            gc.collect()
-    rt = SpeculativeRuntime.load(bundle_path, threads=threads)
-    for name, options in specrt_configs(bundle_ks(bundle)):
+    for label, folder in (genai_models or {"": None}).items():
+        name = genai_row_name(label)
         if wanted(name):
-            record(name, specrt_runner(rt, max_new_tokens, **options))
+            note = _genai_missing(name, folder)
+            if note:
+                notes.append(note)
+            else:
+                record(name, genai_runner(folder, max_new_tokens))
+                gc.collect()
+    for bundle in bundles:
+        label = bundle.precision_label
+        suffix = "" if label == "d-fp32_t-fp32" else f"_{label}"
+        configs = [(n, o) for n, o in specrt_configs(bundle_ks(bundle), suffix) if wanted(n)]
+        if not configs:
+            continue
+        rt = SpeculativeRuntime.load(bundle.path, threads=threads)
+        costs[label] = cost_report(rt)
+        for name, options in configs:
+            record(name, specrt_runner(rt, max_new_tokens, **options), TARGET_ALONE + suffix)
+        del rt
+        gc.collect()
     _compare(rows, outputs)
     return {
-        "bundle": str(bundle_path),
+        "bundle": str(paths[0]),
+        "bundles": {b.precision_label: str(b.path) for b in bundles},
         "machine": machine_info(threads),
         "settings": {
             "max_new_tokens": max_new_tokens,
             "repeat": repeat,
             "greedy": True,
             "prompts": len(prompts),
-            "dtype": bundle.manifest["dtype"],
+            "precisions": [b.precision_label for b in bundles],
             "prompt_sets": sorted({p["set"] for p in prompts}),
         },
         "configs": [asdict(r) for r in rows],
+        "costs": costs,
+        "peak_rss_mb": peak_rss_mb(),
         "notes": notes,
     }
+
+
+def cost_report(rt: SpeculativeRuntime) -> dict:
+    """The draft step and the target's verify curve after a 48-token prefix, K = 0..16 drafts
+    (beyond the bundle's K_max only where its context allows), in ms and relative to K = 0."""
+    room = rt.target.capacity - 48
+    curve = measure_verify_curve(rt.target, min(CURVE_TOKENS, room), repeats=3)
+    draft = measure_verify_curve(rt.draft, 1, repeats=3)[1]
+    one = curve[1]
+    return {
+        "draft_step_ms": 1000 * draft,
+        "verify_ms": {n: 1000 * t for n, t in curve.items()},
+        "verify_ratio": {n: t / one for n, t in curve.items()},
+        "draft_over_verify": draft / one,
+    }
+
+
+def current_rss_mb() -> float:
+    """Resident memory now (Linux /proc; 0 where it is not available)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0.0
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 def bundle_ks(bundle: Bundle) -> list[int]:
@@ -303,15 +366,15 @@ def _torch_rows(bundle: Bundle, max_new_tokens, threads, wanted, record) -> None
         record("hf_assisted", hf_runner(target, max_new_tokens, assistant=draft))
 
 
-def _genai_missing(folder: Path | None) -> str | None:
-    """Why the ONNX Runtime GenAI row cannot run, or None when it can."""
+def _genai_missing(name: str, folder: Path | None) -> str | None:
+    """Why an ONNX Runtime GenAI row cannot run, or None when it can."""
     try:
         import onnxruntime_genai  # noqa: F401
     except ImportError:
-        return "ort_genai skipped: onnxruntime-genai is not installed"
+        return f"{name} skipped: onnxruntime-genai is not installed"
     if folder is None:
         return (
-            "ort_genai skipped: pass --genai-model DIR (a model built by "
+            f"{name} skipped: pass --genai-model [LABEL=]DIR (a model built by "
             "`python -m onnxruntime_genai.models.builder` from the same float32 target)"
         )
     return None
@@ -319,7 +382,6 @@ def _genai_missing(folder: Path | None) -> str | None:
 
 def _compare(rows: list[Row], outputs: dict) -> None:
     base = outputs.get("pytorch_baseline")
-    alone = outputs.get("specrt_target_only")
     base_speed = next((r.tokens_per_s for r in rows if r.name == "pytorch_baseline"), None)
     for row in rows:
         mine = outputs[row.name]
@@ -331,7 +393,8 @@ def _compare(rows: list[Row], outputs: dict) -> None:
             ]
             row.mismatches_vs_baseline = sum(d is not None for d in row.first_divergence)
             row.identical_to_baseline = row.mismatches_vs_baseline == 0
-        if alone is not None and row.name.startswith("specrt"):
+        alone = outputs.get(row.exact_against)
+        if alone is not None:
             row.identical_to_target_alone = mine == alone
 
 
@@ -383,11 +446,12 @@ def markdown(result: dict) -> str:
         "",
         f"{m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB; {m['date']}; "
         f"{s['prompts']} prompts ({', '.join(s['prompt_sets'])}) × {s['max_new_tokens']} new "
-        f"tokens, greedy, {s['dtype']}, repeat {s['repeat']}.",
+        f"tokens, greedy, repeat {s['repeat']}; bundles {', '.join(_precisions(result))}; "
+        f"peak RSS {result.get('peak_rss_mb', 0):.0f} MB.",
         "",
         "| configuration | tokens/s | vs PyTorch | TTFT ms | p50 ms/tok | p99 ms/tok "
-        "| tokens/target call | acceptance | = baseline | = target alone |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| tokens/target call | acceptance | = baseline | = target alone | RSS MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["configs"]:
         same = _fmt(r["identical_to_baseline"], "")
@@ -397,10 +461,48 @@ def markdown(result: dict) -> str:
             f"| {r['name']} | {r['tokens_per_s']:.2f} | {_fmt(r['speedup_vs_pytorch'], '.2f')}× "
             f"| {r['ttft_ms']:.0f} | {r['latency_p50_ms']:.0f} | {r['latency_p99_ms']:.0f} "
             f"| {_fmt(r['tokens_per_target_call'], '.2f')} | {_fmt(r['acceptance_rate'], '.0%')} "
-            f"| {same} | {_fmt(r['identical_to_target_alone'], '')} |"
+            f"| {same} | {_fmt(r['identical_to_target_alone'], '')} "
+            f"| {r.get('rss_mb', 0):.0f} |"
         )
+    lines += ["", '"= target alone" compares with the target-alone row of the same bundle.']
+    lines += _cost_lines(result.get("costs", {}))
     lines += ["", *[f"- {note}" for note in result["notes"]], ""]
     return "\n".join(lines)
+
+
+def _precisions(result: dict) -> list[str]:
+    return result["settings"].get("precisions") or [result["settings"].get("dtype", "float32")]
+
+
+def _cost_lines(costs: dict) -> list[str]:
+    """Verify cost c_verify(K)/c_verify(0) per bundle: what the adaptive policy trades against."""
+    if not costs:
+        return []
+    counts = sorted({int(n) for c in costs.values() for n in c["verify_ms"]})
+    lines = [
+        "",
+        "Verify cost after a 48-token prefix, relative to one new token (K drafts = K+1 tokens):",
+        "",
+        "| bundle | draft step ms | 1 token ms | " + " | ".join(f"{n}" for n in counts) + " |",
+        "|---|---|---|" + "---|" * len(counts),
+    ]
+    for label, c in costs.items():
+        ratios = {int(n): v for n, v in c["verify_ratio"].items()}
+        cells = " | ".join(_fmt(ratios.get(n), ".2f") for n in counts)
+        one = c["verify_ms"].get("1", c["verify_ms"].get(1))
+        lines.append(f"| {label} | {c['draft_step_ms']:.1f} | {one:.1f} | {cells} |")
+    return lines
+
+
+def _fixed_rows(rows: list[dict]) -> dict[str, dict[int, dict]]:
+    """specrt_fixed_K[_label] rows grouped by label, then by K."""
+    grouped: dict[str, dict[int, dict]] = {}
+    for row in rows:
+        match = re.fullmatch(r"specrt_fixed_(\d+)(_.+)?", row["name"])
+        if match:
+            label = (match.group(2) or "_d-fp32_t-fp32")[1:]
+            grouped.setdefault(label, {})[int(match.group(1))] = row
+    return grouped
 
 
 def chart(result: dict, path: Path) -> None:
@@ -410,7 +512,7 @@ def chart(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = result["configs"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
+    fig, (left, right, curves) = plt.subplots(1, 3, figsize=(18, 5.2))
     names = [r["name"] for r in rows]
     speed = [r["speedup_vs_pytorch"] or r["tokens_per_s"] for r in rows]
     left.barh(names, speed, color=["#888" if not n.startswith("specrt") else "#2a7" for n in names])
@@ -418,21 +520,23 @@ def chart(result: dict, path: Path) -> None:
         "speedup vs PyTorch baseline" if rows and rows[0]["speedup_vs_pytorch"] else "tokens/s"
     )
     left.invert_yaxis()
-    fixed = [r for r in rows if r["name"].startswith("specrt_fixed_")]
-    ks = [int(r["name"].rsplit("_", 1)[1]) for r in fixed]
-    right.plot(ks, [r["acceptance_rate"] for r in fixed], "o-", label="acceptance rate")
-    twin = right.twinx()
-    twin.plot(
-        ks,
-        [r["tokens_per_target_call"] for r in fixed],
-        "s--",
-        color="#c50",
-        label="tokens per target call",
-    )
+    for suffix, fixed in _fixed_rows(rows).items():
+        ks = sorted(fixed)
+        right.plot(ks, [fixed[k]["tokens_per_target_call"] for k in ks], "o-", label=suffix)
     right.set_xlabel("K (fixed)")
-    right.set_ylabel("acceptance rate")
-    twin.set_ylabel("tokens per target call")
-    right.set_title("acceptance and tokens per call vs K")
+    right.set_ylabel("tokens per target call")
+    right.set_title("tokens per target call vs K")
+    if right.lines:
+        right.legend(fontsize=8)
+    for label, c in result.get("costs", {}).items():
+        counts = sorted(int(n) for n in c["verify_ratio"])
+        ratios = {int(n): v for n, v in c["verify_ratio"].items()}
+        curves.plot([n - 1 for n in counts], [ratios[n] for n in counts], "o-", label=label)
+    curves.set_xlabel("K drafts verified (K+1 new tokens)")
+    curves.set_ylabel("c_verify(K) / c_verify(0)")
+    curves.set_title("verify cost curve (target)")
+    if curves.lines:
+        curves.legend(fontsize=8)
     fig.suptitle(f"specrt bench: {Path(result['bundle']).name}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -348,7 +348,7 @@ def run_comparison(bundle: Path, prompt: str, max_new_tokens: int, *, chat: bool
 
 
 @cli.command()
-@click.argument("bundle", type=click.Path(path_type=Path))
+@click.argument("bundles", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option(
     "--prompts",
     "prompt_files",
@@ -366,28 +366,37 @@ def run_comparison(bundle: Path, prompt: str, max_new_tokens: int, *, chat: bool
 @click.option("--name", default=None, help="File stem for the results (default: bundle name).")
 @click.option(
     "--genai-model",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="ONNX Runtime GenAI model folder of the same target: adds the ort_genai row.",
+    "genai_models",
+    multiple=True,
+    help="[LABEL=]DIR: an ONNX Runtime GenAI build of the same target; adds the row ort_genai "
+    "(or ort_genai_LABEL, e.g. int4=DIR). Repeatable.",
 )
-def bench(bundle, prompt_files, max_new_tokens, repeat, only, threads, out, name, genai_model):
-    """Benchmark every configuration side by side: JSON, Markdown table and PNG chart."""
+def bench(bundles, prompt_files, max_new_tokens, repeat, only, threads, out, name, genai_models):
+    """Benchmark every configuration side by side: JSON, Markdown table and PNG chart.
+
+    Several BUNDLES (e.g. one per precision combination) share one run: the baselines run once,
+    and each non-float32 bundle's rows carry its precision label.
+    """
     from specrt.bench import load_prompts, markdown, run_bench, write_report
 
     files = list(prompt_files) or sorted(Path("benchmarks/prompts").glob("*.jsonl"))
     if not files:
         raise SpecrtError("no prompt files: pass --prompts FILE.jsonl")
+    genai = {}
+    for item in genai_models:
+        label, _, folder = item.rpartition("=")
+        genai[label] = Path(folder)
     result = run_bench(
-        bundle,
+        bundles,
         load_prompts(files),
         max_new_tokens=max_new_tokens,
         repeat=repeat,
         only=only.split(",") if only else None,
         threads=threads,
-        genai_model=genai_model,
+        genai_models=genai,
         log=_log,
     )
-    for path in write_report(result, out, name or Path(bundle).resolve().name):
+    for path in write_report(result, out, name or Path(bundles[0]).resolve().name):
         _log(f"wrote {path}")
     click.echo(markdown(result))
 

@@ -155,7 +155,7 @@ def precision_lines(bundle) -> list[str]:
         if "argmax_agreement_vs_float32" in check:
             how += (
                 f"; vs float32: max |dlogit| {check['max_abs_logit_diff_vs_float32']:.2e}, "
-                f"argmax agreement {check['argmax_agreement_vs_float32']:.0%}"
+                f"argmax agreement {check['argmax_agreement_vs_float32']:.0%} on random tokens"
             )
         label = "precision" if name == "draft" else ""
         lines.append(f"{label:12} {name} {role.precision}{how}")

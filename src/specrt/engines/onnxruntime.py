@@ -48,6 +48,11 @@ class OrtEngine:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.intra_op_num_threads = threads or default_threads()
         options.inter_op_num_threads = 1
+        # The draft and the target run in turn: a session's threads spin while it runs and stop
+        # when its run ends, instead of spinning on the cores the other session needs. Measured
+        # on 2 cores with an int4 pair: 19.6 tokens/s with ONNX Runtime's default, 32.5-34.3
+        # with this (and 28-33 with spinning off altogether).
+        options.add_session_config_entry("session.force_spinning_stop", "1")
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         providers = list(providers or ["CPUExecutionProvider"])
         try:

@@ -106,3 +106,20 @@ def test_build_refuses_a_bad_precision_before_exporting(pairs, tmp_path):
     assert result.exit_code == 1
     assert "precision 'int2' is not one of" in result.output
     assert not (tmp_path / "b").exists()
+
+
+def test_build_cli_passes_precision_options(pairs, tmp_path):
+    draft, target = pairs["llama"]
+    out = tmp_path / "b"
+    result = CliRunner().invoke(
+        cli,
+        ["build", "--draft", str(draft), "--target", str(target), "--out", str(out)]
+        + ["--draft-precision", "int8", "--block-size", "32", "--accuracy-level", "1"]
+        + ["--max-context", "64"],
+    )
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    draft_precision = manifest["roles"]["draft"]["precision"]
+    assert (draft_precision["weights"], draft_precision["block_size"]) == ("int8", 32)
+    assert draft_precision["accuracy_level"] == 1
+    assert manifest["roles"]["target"]["precision"] == {"weights": "fp32"}

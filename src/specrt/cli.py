@@ -12,8 +12,9 @@ from pathlib import Path
 
 import click
 
+from specrt.engines import BACKENDS
 from specrt.errors import SpecrtError
-from specrt.models import specrt_home
+from specrt.files import specrt_home
 
 
 class _Group(click.Group):
@@ -59,6 +60,32 @@ def cli() -> None:
     type=int,
     help="int8/int4 MatMulNBits compute: 4 = int8 activations, 0/1 = float32 [default: 4].",
 )
+@click.option(
+    "--backend",
+    type=click.Choice(["onnxruntime", "tensorrt"]),
+    default="onnxruntime",
+    show_default=True,
+    help="tensorrt also compiles each graph into a TensorRT engine (needs TensorRT 10 + a GPU).",
+)
+@click.option(
+    "--trt-precision",
+    type=click.Choice(["fp16", "bf16", "fp32"]),
+    default="fp16",
+    show_default=True,
+    help="TensorRT engine precision (fp32 for debugging).",
+)
+@click.option("--workspace", default=4.0, show_default=True, help="TensorRT workspace, GiB.")
+@click.option(
+    "--timing-cache",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="TensorRT timing cache reused across builds [default: $SPECRT_HOME/tensorrt.cache].",
+)
+@click.option(
+    "--version-compatible",
+    is_flag=True,
+    help="Build TensorRT engines that later TensorRT versions' lean runtime can load.",
+)
 def build(
     draft: str,
     target: str,
@@ -70,10 +97,25 @@ def build(
     target_precision: str,
     block_size: int | None,
     accuracy_level: int | None,
+    backend: str,
+    trt_precision: str,
+    workspace: float,
+    timing_cache: Path | None,
+    version_compatible: bool,
 ):
     """Export DRAFT and TARGET to an ONNX bundle, checked against PyTorch."""
     from specrt.exporter.build import build_bundle
     from specrt.exporter.precision import Precision
+    from specrt.exporter.tensorrt import TrtOptions
+
+    tensorrt = None
+    if backend == "tensorrt":
+        tensorrt = TrtOptions(
+            trt_precision,
+            workspace,
+            timing_cache or specrt_home() / "tensorrt.cache",
+            version_compatible,
+        )
 
     options = {"block_size": block_size, "accuracy_level": accuracy_level}
     options = {key: value for key, value in options.items() if value is not None}
@@ -89,6 +131,7 @@ def build(
         max_context=max_context,
         force=force,
         precision=precision,
+        tensorrt=tensorrt,
         log=_log,
     )
     click.echo(f"bundle written: {out}")
@@ -183,7 +226,8 @@ def precision_lines(bundle) -> list[str]:
     "--backend",
     default="onnxruntime",
     show_default=True,
-    type=click.Choice(["onnxruntime", "torch"]),
+    type=click.Choice(BACKENDS),
+    help="onnxruntime (CPU), onnxruntime-cuda, onnxruntime-tensorrt, tensorrt or torch.",
 )
 @click.option("--threads", type=int, default=None, help="Intra-op threads (default: all cores).")
 @click.option("--stream", is_flag=True, help="Print text as it is generated.")
@@ -399,6 +443,23 @@ def bench(bundles, prompt_files, max_new_tokens, repeat, only, threads, out, nam
     for path in write_report(result, out, name or Path(bundles[0]).resolve().name):
         _log(f"wrote {path}")
     click.echo(markdown(result))
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the facts and verdicts as JSON.")
+def doctor(as_json: bool):
+    """Which backends this machine can run, and why not where it cannot."""
+    from dataclasses import asdict
+
+    from specrt.doctor import diagnose, probe
+
+    facts = probe()
+    verdicts = diagnose(facts)
+    if as_json:
+        click.echo(json.dumps({"facts": facts, "backends": [asdict(v) for v in verdicts]}))
+        return
+    for v in verdicts:
+        click.echo(f"{v.backend:22} {'yes' if v.ok else 'no ':3}  {v.detail}")
 
 
 @cli.group()

@@ -39,11 +39,15 @@ def _umask_mode(mode: int) -> int:
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
+    write_bytes_atomic(path, json.dumps(data, indent=2, sort_keys=True).encode())
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
     """Write to a temp file beside path, fsync, then rename: readers never see half a file."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
-        with os.fdopen(fd, "w") as handle:
-            json.dump(data, handle, indent=2, sort_keys=True)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
         os.chmod(tmp, _umask_mode(0o666))
@@ -74,3 +78,10 @@ def atomic_dir(out: Path, *, force: bool = False) -> Iterator[Path]:
             os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def specrt_home() -> Path:
+    """Where pulled models and cached bundles live: $SPECRT_HOME, else the user cache folder."""
+    if "SPECRT_HOME" in os.environ:
+        return Path(os.environ["SPECRT_HOME"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "specrt"

@@ -24,15 +24,9 @@ from pathlib import Path
 import yaml
 
 from specrt.errors import SpecrtError
+from specrt.files import specrt_home
 
 VERIFIED_SUFFIX = ".verified"
-
-
-def specrt_home() -> Path:
-    """Where pulled models and cached bundles live: $SPECRT_HOME, else the user cache folder."""
-    if "SPECRT_HOME" in os.environ:
-        return Path(os.environ["SPECRT_HOME"]).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "specrt"
 
 
 @dataclass(frozen=True)

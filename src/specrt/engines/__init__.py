@@ -10,15 +10,20 @@ from specrt.bundle import Bundle
 from specrt.engines.base import Engine
 from specrt.errors import SpecrtError
 
-BACKENDS = ("onnxruntime", "torch")
+BACKENDS = ("onnxruntime", "onnxruntime-cuda", "onnxruntime-tensorrt", "tensorrt", "torch")
 
 
 def load_engine(bundle: Bundle, role: str, backend: str = "onnxruntime", **options) -> Engine:
     """Open one role of a bundle on the named backend."""
-    if backend == "onnxruntime":
+    if backend.startswith("onnxruntime") and backend in BACKENDS:
         from specrt.engines.onnxruntime import OrtEngine
 
-        return OrtEngine.from_bundle(bundle, role, **options)
+        return OrtEngine.from_bundle(bundle, role, backend, **options)
+    if backend == "tensorrt":
+        from specrt.engines.tensorrt import TrtEngine
+
+        options.pop("threads", None)  # host threads do not apply to a GPU engine
+        return TrtEngine.from_bundle(bundle, role, **options)
     if backend == "torch":
         try:
             from specrt.engines.torch import TorchEngine

@@ -21,14 +21,62 @@ import onnxruntime as ort
 from specrt.bundle import Bundle
 from specrt.engines.base import check_rollback, check_room
 from specrt.errors import SpecrtError
+from specrt.files import specrt_home
+from specrt.profiles import input_shapes, profiles_from_manifest
 
 DEVICE_OF_PROVIDER = {"CUDAExecutionProvider": "cuda", "TensorrtExecutionProvider": "cuda"}
+PROVIDER_OF_BACKEND = {
+    "onnxruntime": "CPUExecutionProvider",
+    "onnxruntime-cuda": "CUDAExecutionProvider",
+    "onnxruntime-tensorrt": "TensorrtExecutionProvider",
+}
 FLOAT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 
 
 def default_threads() -> int:
     """Decoding streams weights: one thread per core saturates memory bandwidth on small boxes."""
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+
+
+def trt_profile_options(bundle: Bundle, role: str) -> dict[str, str]:
+    """The bundle's prefill/decode/verify profiles as ONNX Runtime TensorRT provider options
+    (one `name:dims` entry per input and profile, in profile order)."""
+    r = bundle.role(role)
+    dims = {k: r.dim(k) for k in ("num_layers", "num_kv_heads", "head_dim")}
+    lists: dict[str, list[str]] = {"min": [], "opt": [], "max": []}
+    for profile in profiles_from_manifest(bundle.manifest):
+        shapes = input_shapes(profile, capacity=bundle.max_context, **dims)
+        for name, bounds in shapes.items():
+            if name == "logits_to_keep":  # static shape [1]: no range to give
+                continue
+            for key, shape in zip(lists, bounds, strict=True):
+                lists[key].append(f"{name}:{'x'.join(map(str, shape))}")
+    return {f"trt_profile_{key}_shapes": ",".join(entries) for key, entries in lists.items()}
+
+
+def providers_for(bundle: Bundle, role: str, backend: str) -> list:
+    """Execution providers for a backend name; a GPU provider that this onnxruntime build
+    lacks is an error, not a silent fall-back to the CPU."""
+    provider = PROVIDER_OF_BACKEND[backend]
+    if provider not in ort.get_available_providers():
+        raise SpecrtError(
+            f"backend {backend}: this onnxruntime has no {provider} (it has "
+            f"{', '.join(ort.get_available_providers())}); install onnxruntime-gpu, and TensorRT "
+            "for the TensorRT provider (see README, 'GPU')"
+        )
+    if backend == "onnxruntime":
+        return [provider]
+    options: dict[str, str] = {}
+    if backend == "onnxruntime-tensorrt":
+        cache = specrt_home() / "ort-tensorrt" / bundle.path.resolve().name / role
+        options = {
+            **trt_profile_options(bundle, role),
+            "trt_fp16_enable": "True",
+            "trt_engine_cache_enable": "True",
+            "trt_engine_cache_path": str(cache),
+            "trt_timing_cache_enable": "True",
+        }
+    return [(provider, options), "CUDAExecutionProvider", "CPUExecutionProvider"]
 
 
 class OrtEngine:
@@ -80,8 +128,11 @@ class OrtEngine:
         self._logits = np.empty((1, 16, vocab_size), self._logits_type)
 
     @classmethod
-    def from_bundle(cls, bundle: Bundle, role: str, **options) -> OrtEngine:
+    def from_bundle(
+        cls, bundle: Bundle, role: str, backend: str = "onnxruntime", **options
+    ) -> OrtEngine:
         r = bundle.role(role)
+        options.setdefault("providers", providers_for(bundle, role, backend))
         return cls(
             r.graph,
             num_layers=r.dim("num_layers"),

@@ -14,6 +14,7 @@ import json
 import shutil
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -23,10 +24,22 @@ from specrt.errors import SpecrtError
 from specrt.exporter.check import check_graph, compare_converted
 from specrt.exporter.graph import write_graph
 from specrt.exporter.precision import Precision, convert_graph
+from specrt.exporter.tensorrt import TrtOptions, build_engine, require_tensorrt
 from specrt.files import atomic_dir, hash_tree, write_json_atomic
+from specrt.profiles import Profile, plan_profiles
 from specrt.sources import Source, load_model, load_tokenizer
 
 Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What every role of one build shares."""
+
+    max_context: int
+    profiles: list[Profile]
+    tensorrt: TrtOptions | None  # also compile a TensorRT engine per role
+    log: Log
 
 
 def vocabulary_digest(tokenizer) -> str:
@@ -68,17 +81,28 @@ def build_bundle(
     max_context: int = 2048,
     force: bool = False,
     precision: dict[str, Precision] | None = None,
+    tensorrt: TrtOptions | None = None,
     log: Log = print,
 ) -> Path:
     """Export, check and write a bundle atomically; return its path.
 
-    precision maps a role to its weight precision (float32 where not given).
+    precision maps a role to its weight precision (float32 where not given); tensorrt, when
+    given, also compiles each role's graph into a TensorRT engine (and fails before any export
+    where TensorRT or a GPU is missing).
     """
     precision = {role: (precision or {}).get(role, Precision()) for role in ROLES}
     if not 1 <= max_draft <= 64:
         raise SpecrtError(f"--max-draft must be between 1 and 64, got {max_draft}")
     if max_context < max_draft + 2:
         raise SpecrtError(f"--max-context {max_context} leaves no room for {max_draft} drafts")
+    if tensorrt is not None:
+        if any(p.weights != "fp32" for p in precision.values()):
+            raise SpecrtError(
+                "--backend tensorrt compiles the float32 graphs and applies its own precision "
+                "(--trt-precision); leave --draft-precision and --target-precision at fp32"
+            )
+        require_tensorrt()
+    plan = _Plan(max_context, plan_profiles(max_context, max_draft), tensorrt, log)
     sources = {"draft": Source.parse(draft), "target": Source.parse(target)}
     tokenizers = {role: load_tokenizer(src) for role, src in sources.items()}
     digests = {role: vocabulary_digest(tok) for role, tok in tokenizers.items()}
@@ -99,9 +123,8 @@ def build_bundle(
                 tokenizers[role],
                 digests[role],
                 tmp / role,
-                max_context,
                 precision[role],
-                log,
+                plan,
             )
         manifest = {
             "format_version": FORMAT_VERSION,
@@ -109,11 +132,7 @@ def build_bundle(
             "versions": _versions(),
             "max_context": max_context,
             "max_draft": max_draft,
-            "profiles": {
-                "prefill": {"min_tokens": 1, "max_tokens": max_context - max_draft - 1},
-                "decode": {"min_tokens": 1, "max_tokens": 1},
-                "verify": {"min_tokens": 2, "max_tokens": max_draft + 1},
-            },
+            "profiles": {p.name: p.as_dict() for p in plan.profiles},
             "eos_token_ids": eos["target"],  # the target decides when text ends
             "chat_template": tokenizers["target"].chat_template,
             "roles": roles,
@@ -130,16 +149,15 @@ def _export_role(
     tokenizer,
     digest: str,
     folder: Path,
-    max_context: int,
     precision: Precision,
-    log: Log,
+    plan: _Plan,
 ) -> tuple[dict, list[int]]:
     """Export one role into folder; return its manifest entry and its end-of-sequence ids.
 
     A converted role is first exported and checked in float32 beside folder, then converted, and
     the float32 graph is deleted: the check against PyTorch is always made at full precision.
     """
-    started = time.perf_counter()
+    started, log, max_context = time.perf_counter(), plan.log, plan.max_context
     log(f"[{role}] loading {source.spec}")
     model = load_model(source)
     limit = getattr(model.config, "max_position_embeddings", max_context)
@@ -172,6 +190,17 @@ def _export_role(
             f"{check['argmax_agreement_vs_float32']:.0%}"
         )
         shutil.rmtree(float32)
+    engine = None
+    if plan.tensorrt is not None:
+        log(f"[{role}] building the TensorRT engine ({plan.tensorrt.precision})")
+        engine = build_engine(
+            folder / "model.onnx",
+            folder,
+            plan.profiles,
+            shape.as_dict(),
+            max_context,
+            plan.tensorrt,
+        )
     tokenizer.save_pretrained(folder)
     if not (folder / "tokenizer.json").is_file():
         raise SpecrtError(f"{source.spec}: the tokenizer has no tokenizer.json to ship")
@@ -186,4 +215,6 @@ def _export_role(
         "export_seconds": round(time.perf_counter() - started, 2),
         "files": hash_tree(folder),
     }
+    if engine is not None:
+        info["tensorrt"] = engine
     return info, eos

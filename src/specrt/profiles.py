@@ -1,0 +1,111 @@
+"""Shape profiles: the three ways the runtime calls a model, as ranges of token counts.
+
+A speculative loop calls its models in three shapes: a *prefill* of the prompt, a *decode* of
+exactly one token (the draft's hot path) and a *verify* of K+1 tokens (the target's hot path),
+each on top of a cache holding 0 .. max_context - new tokens. Engines that compile for shapes
+(TensorRT, ONNX Runtime's TensorRT provider) get one optimization profile per call shape, so each
+is tuned for its own typical case instead of one profile stretched across all three.
+
+The plan is computed once at build time and recorded in the manifest; engines read it back and
+pick a profile by the number of new tokens. The cache buffers themselves have a fixed shape
+(`[1, kv_heads, max_context, head_dim]`, updated in place), so what varies per call is the new
+tokens (`input_ids`, `position_ids`) and the total length (`attention_mask`), plus the value of
+`logits_to_keep`, which sets an output shape and is therefore a shape input for TensorRT.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from specrt.errors import SpecrtError
+
+OPT_PROMPT = 64  # typical prompt length the opt shapes are tuned for
+OPT_DRAFT = 4  # typical K
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One call shape: new tokens min/opt/max, and total (past + new) tokens min/opt/max."""
+
+    name: str
+    min_tokens: int
+    opt_tokens: int
+    max_tokens: int
+    min_total: int
+    opt_total: int
+    max_total: int
+    opt_keep: int  # logits rows at the opt point: 1 for a prefill, every row when verifying
+
+    def as_dict(self) -> dict:
+        record = asdict(self)
+        del record["name"]
+        return record
+
+    def fits(self, new_tokens: int, total: int) -> bool:
+        return (
+            self.min_tokens <= new_tokens <= self.max_tokens
+            and self.min_total <= total <= self.max_total
+        )
+
+
+def plan_profiles(
+    max_context: int, max_draft: int, *, opt_prompt: int = OPT_PROMPT, opt_draft: int = OPT_DRAFT
+) -> list[Profile]:
+    """prefill, decode and verify for a bundle's limits; opt shapes from the typical case (a
+    short prompt, K around 4, a context of about twice the prompt)."""
+    if max_draft < 1 or max_context < max_draft + 2:
+        raise SpecrtError(f"max context {max_context} leaves no room for {max_draft} drafts")
+    max_prompt = max_context - max_draft - 1
+    prompt = min(opt_prompt, max_prompt)
+    context = min(2 * prompt, max_context)
+    verify = min(opt_draft, max_draft) + 1
+    return [
+        Profile("prefill", 1, prompt, max_prompt, 1, prompt, max_context, 1),
+        Profile("decode", 1, 1, 1, 1, context, max_context, 1),
+        Profile("verify", 2, verify, max_draft + 1, 2, context, max_context, verify),
+    ]
+
+
+def profiles_from_manifest(manifest: dict) -> list[Profile]:
+    """The recorded plan, in the order the engines were built with (index = profile index)."""
+    recorded = manifest.get("profiles", {})
+    try:
+        return [Profile(name, **recorded[name]) for name in ("prefill", "decode", "verify")]
+    except (KeyError, TypeError) as err:
+        raise SpecrtError(
+            "the bundle's manifest has no complete shape profiles (built by an older specrt); "
+            "rebuild it to use a shape-compiled backend"
+        ) from err
+
+
+def select_profile(profiles: list[Profile], new_tokens: int, total: int) -> int:
+    """Index of the profile made for this call: decode for one token, verify for 2..K_max+1,
+    prefill for anything longer (each profile's ranges decide what fits)."""
+    index = {p.name: i for i, p in enumerate(profiles)}
+    for name in ("decode", "verify", "prefill"):
+        if name in index and profiles[index[name]].fits(new_tokens, total):
+            return index[name]
+    raise SpecrtError(
+        f"a call with {new_tokens} new tokens and {total} in total fits none of the bundle's "
+        "profiles (" + ", ".join(f"{p.name} {p.min_tokens}..{p.max_tokens}" for p in profiles) + ")"
+    )
+
+
+def input_shapes(
+    profile: Profile, *, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int
+) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+    """min/opt/max shape of every graph input under `profile` (batch 1)."""
+    tokens = tuple((1, n) for n in (profile.min_tokens, profile.opt_tokens, profile.max_tokens))
+    total = tuple((1, n) for n in (profile.min_total, profile.opt_total, profile.max_total))
+    cache = ((1, num_kv_heads, capacity, head_dim),) * 3
+    shapes = {"input_ids": tokens, "position_ids": tokens, "attention_mask": total}
+    shapes["logits_to_keep"] = ((1,),) * 3
+    for i in range(num_layers):
+        for kind in ("key", "value"):
+            shapes[f"past_key_values.{i}.{kind}"] = cache
+    return shapes
+
+
+def keep_values(profile: Profile) -> tuple[tuple[int], tuple[int], tuple[int]]:
+    """min/opt/max *value* of the `logits_to_keep` shape input under `profile`."""
+    return (1,), (profile.opt_keep,), (profile.max_tokens,)

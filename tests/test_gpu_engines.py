@@ -1,0 +1,81 @@
+"""GPU engines end to end. They run wherever `specrt doctor` says the backend can (TensorRT or
+onnxruntime-gpu, and a CUDA GPU); elsewhere each test is skipped with that verdict as its reason
+(pytest prints it: addopts = -ra). CI on this project's machines has neither, see README."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specrt.bundle import Bundle
+from specrt.doctor import diagnose, probe
+from specrt.engines import load_engine
+from specrt.runtime import SpeculativeRuntime
+
+VERDICTS = {v.backend: v for v in diagnose(probe())}
+PROMPTS = ["def fibonacci(n):", "The quick brown fox"]
+CONTROLLERS = ["fixed:1", "fixed:8", "adaptive"]
+
+
+def needs(backend: str):
+    verdict = VERDICTS[backend]
+    return pytest.mark.skipif(not verdict.ok, reason=f"{backend}: {verdict.detail}")
+
+
+def _greedy_equals_target_alone(rt: SpeculativeRuntime) -> None:
+    for prompt in PROMPTS:
+        alone = rt.generate(prompt, max_new_tokens=32, speculate=False, ignore_eos=True)
+        for controller in CONTROLLERS:
+            spec = rt.generate(prompt, max_new_tokens=32, controller=controller, ignore_eos=True)
+            assert spec.token_ids == alone.token_ids, (prompt, controller)
+
+
+def _close_to_cpu(bundle: Bundle, backend: str) -> None:
+    """A prefill, a decode and a verify give the CPU engine's logits (float32 throughout)."""
+    cpu, gpu = (load_engine(bundle, "target", name) for name in ("onnxruntime", backend))
+    for tokens, last in (([5, 6, 7, 8, 9, 10], 1), ([11], None), ([12, 13, 14, 15, 16], None)):
+        want, got = cpu.forward(tokens, last), gpu.forward(tokens, last)
+        assert np.abs(got - want).max() <= 1e-3 * max(1.0, np.abs(want).max())
+    cpu.rollback(7)
+    gpu.rollback(7)
+    assert np.allclose(gpu.forward([20, 21]), cpu.forward([20, 21]), atol=1e-3, rtol=1e-3)
+
+
+@needs("onnxruntime-cuda")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_onnxruntime_cuda(bundles, arch):
+    _close_to_cpu(Bundle.load(bundles[arch]), "onnxruntime-cuda")
+    _greedy_equals_target_alone(SpeculativeRuntime.load(bundles[arch], backend="onnxruntime-cuda"))
+
+
+@pytest.fixture(scope="module")
+def trt_bundles(pairs, tmp_path_factory) -> dict:
+    from specrt.exporter.build import build_bundle
+    from specrt.exporter.tensorrt import TrtOptions
+
+    root = tmp_path_factory.mktemp("trt")
+    options = TrtOptions("fp32", 1.0, root / "timing.cache")
+    return {
+        arch: build_bundle(
+            str(draft), str(target), root / arch, max_context=128, tensorrt=options, log=print
+        )
+        for arch, (draft, target) in pairs.items()
+    }
+
+
+@needs("tensorrt")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tensorrt_engine(trt_bundles, arch):
+    bundle = Bundle.load(trt_bundles[arch])
+    record = bundle.role("target").info["tensorrt"]
+    assert record["profiles"] == ["prefill", "decode", "verify"]
+    assert record["precision"] == "fp32" and record["tensorrt_version"].startswith("1")
+    assert (bundle.path / "target" / record["plan"]).is_file()
+    assert (bundle.path.parent / "timing.cache").is_file()
+    _close_to_cpu(bundle, "tensorrt")
+    _greedy_equals_target_alone(SpeculativeRuntime.load(bundle.path, backend="tensorrt"))
+
+
+@needs("onnxruntime-tensorrt")
+def test_onnxruntime_tensorrt_provider(bundles):
+    _close_to_cpu(Bundle.load(bundles["llama"]), "onnxruntime-tensorrt")

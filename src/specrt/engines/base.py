@@ -55,3 +55,21 @@ def check_room(engine: Engine, count: int, last: int | None) -> int:
 def check_rollback(engine: Engine, length: int) -> None:
     if not 0 <= length <= engine.length:
         raise ValueError(f"cannot roll back to {length}: the cache holds {engine.length}")
+
+
+class BufferCache:
+    """Position bookkeeping for engines whose cache is a buffer preallocated at max context:
+    the graph writes at the current length, so a rollback only moves the length (O(1))."""
+
+    _length = 0
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    def reset(self) -> None:
+        self._length = 0
+
+    def rollback(self, length: int) -> None:
+        check_rollback(self, length)
+        self._length = length

@@ -19,7 +19,7 @@ import numpy as np
 import onnxruntime as ort
 
 from specrt.bundle import Bundle
-from specrt.engines.base import check_rollback, check_room
+from specrt.engines.base import BufferCache, check_room
 from specrt.errors import SpecrtError
 from specrt.files import specrt_home
 from specrt.profiles import input_shapes, profiles_from_manifest
@@ -79,7 +79,7 @@ def providers_for(bundle: Bundle, role: str, backend: str) -> list:
     return [(provider, options), "CUDAExecutionProvider", "CPUExecutionProvider"]
 
 
-class OrtEngine:
+class OrtEngine(BufferCache):
     def __init__(
         self,
         graph: Path,
@@ -142,17 +142,6 @@ class OrtEngine:
             capacity=bundle.max_context,
             **options,
         )
-
-    @property
-    def length(self) -> int:
-        return self._length
-
-    def reset(self) -> None:
-        self._length = 0
-
-    def rollback(self, length: int) -> None:
-        check_rollback(self, length)
-        self._length = length
 
     def forward(self, tokens: Sequence[int], last: int | None = None) -> np.ndarray:
         count = len(tokens)

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from specrt.bundle import Bundle
-from specrt.engines.base import check_rollback, check_room
+from specrt.engines.base import BufferCache, check_room
 from specrt.errors import SpecrtError
 from specrt.profiles import Profile, profiles_from_manifest, select_profile
 
@@ -92,7 +92,7 @@ def _import():
     return trt, cudart
 
 
-class TrtEngine:
+class TrtEngine(BufferCache):
     def __init__(
         self,
         plan: Path,
@@ -163,17 +163,6 @@ class TrtEngine:
             capacity=bundle.max_context,
             version_compatible=record.get("version_compatible", False),
         )
-
-    @property
-    def length(self) -> int:
-        return self._length
-
-    def reset(self) -> None:
-        self._length = 0
-
-    def rollback(self, length: int) -> None:
-        check_rollback(self, length)
-        self._length = length
 
     def forward(self, tokens: Sequence[int], last: int | None = None) -> np.ndarray:
         keep = check_room(self, len(tokens), last)

@@ -42,7 +42,7 @@ def bundles(pairs, tmp_path_factory) -> dict[str, Path]:
 PRECISION_COMBINATIONS = {  # name: (architecture, draft precision, target precision)
     "d-int4_t-fp32": ("qwen2", "int4", "fp32"),  # tied head: untied for the quantizer
     "d-int8_t-int4": ("llama", "int8", "int4"),
-    "d-fp16_t-fp16": ("qwen2", "fp16", "fp16"),
+    "d-fp16_t-int8": ("qwen2", "fp16", "int8"),
 }
 
 

@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import onnx
 import pytest
 from click.testing import CliRunner
 
+from specrt.bundle import Bundle
 from specrt.cli import cli
+from specrt.engines.onnxruntime import OrtEngine
 from specrt.errors import SpecrtError
+from specrt.exporter.build import build_bundle
 from specrt.exporter.precision import Precision
 from specrt.runtime import SpeculativeRuntime
 
@@ -26,7 +30,7 @@ def quantized(precision_bundles) -> dict:
     }
 
 
-@pytest.mark.parametrize("name", ["d-int4_t-fp32", "d-int8_t-int4", "d-fp16_t-fp16"])
+@pytest.mark.parametrize("name", ["d-int4_t-fp32", "d-int8_t-int4", "d-fp16_t-int8"])
 def test_greedy_equals_the_same_target_alone(quantized, name):
     rt = quantized[name]
     assert rt.bundle.precision_label == name
@@ -64,7 +68,7 @@ def test_graphs_and_manifest_record_what_each_role_runs(quantized):
     assert check["max_abs_logit_diff"] <= check["tolerance"]  # float32 graph checked first
     assert 0 < check["argmax_agreement_vs_float32"] <= 1
     assert bundle.role("target").info["precision"] == {"weights": "fp32"}
-    half = quantized["d-fp16_t-fp16"].bundle.role("target")
+    half = quantized["d-fp16_t-int8"].bundle.role("draft")
     inputs = onnx.load(str(half.graph), load_external_data=False).graph.input
     cache = next(i for i in inputs if i.name == "past_key_values.0.key")
     assert cache.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
@@ -123,3 +127,49 @@ def test_build_cli_passes_precision_options(pairs, tmp_path):
     assert (draft_precision["weights"], draft_precision["block_size"]) == ("int8", 32)
     assert draft_precision["accuracy_level"] == 1
     assert manifest["roles"]["target"]["precision"] == {"weights": "fp32"}
+
+
+def _chunked(engine: OrtEngine, chunks: list[int]) -> np.ndarray:
+    """Logits of 12 new tokens after a 21-token (odd) prompt, fed in calls of `chunks` tokens."""
+    engine.reset()
+    engine.forward(list(range(10, 31)), last=1)
+    rows, fed = [], 0
+    for count in chunks:
+        rows.append(engine.forward(list(range(40 + fed, 40 + fed + count))))
+        fed += count
+    return np.concatenate(rows)
+
+
+CHUNKINGS = ([1] * 12, [3] * 4, [5, 7], [2, 3, 7], [9, 3])
+
+
+@pytest.mark.parametrize("name", ["float32", "d-int4_t-fp32", "d-int8_t-int4", "d-fp16_t-int8"])
+def test_target_logits_do_not_depend_on_how_calls_are_cut(bundles, precision_bundles, name):
+    """What makes verify-K+1 equal to decoding one by one, bit for bit, at every precision."""
+    bundle = Bundle.load(bundles["llama"] if name == "float32" else precision_bundles[name])
+    engine = OrtEngine.from_bundle(bundle, "target", threads=1)
+    whole = _chunked(engine, [12])
+    for chunks in CHUNKINGS:
+        assert np.array_equal(_chunked(engine, chunks), whole), chunks
+
+
+def test_without_even_rows_an_int4_target_depends_on_the_cut(precision_bundles):
+    """The control for the test above: MatMulNBits' one-row kernel really differs."""
+    bundle = Bundle.load(precision_bundles["d-int8_t-int4"])
+    engine = OrtEngine.from_bundle(bundle, "target", threads=1, even_rows=False)
+    whole = _chunked(engine, [12])
+    assert any(not np.array_equal(_chunked(engine, c), whole) for c in CHUNKINGS)
+
+
+def test_an_fp16_target_is_refused_on_cpu(pairs, tmp_path):
+    draft, target = pairs["qwen2"]
+    path = build_bundle(
+        str(draft),
+        str(target),
+        tmp_path / "b",
+        max_context=64,
+        precision={"target": Precision("fp16")},
+        log=lambda _: None,
+    )
+    with pytest.raises(SpecrtError, match="the target is fp16, which is meant for GPU providers"):
+        SpeculativeRuntime.load(path)

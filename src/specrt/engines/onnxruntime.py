@@ -91,7 +91,9 @@ class OrtEngine(BufferCache):
         capacity: int,
         providers: Sequence[str | tuple[str, dict]] | None = None,
         threads: int | None = None,
+        even_rows: bool = False,
     ):
+        """even_rows: run every call on an even number of rows (see `forward`)."""
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.intra_op_num_threads = threads or default_threads()
@@ -110,7 +112,8 @@ class OrtEngine(BufferCache):
         first = providers[0] if isinstance(providers[0], str) else providers[0][0]
         self.device = DEVICE_OF_PROVIDER.get(first, "cpu")
         self.vocab_size = vocab_size
-        self.capacity = capacity
+        self.even_rows = even_rows
+        self.capacity = capacity - 1 if even_rows else capacity  # room for the padding row
         self._length = 0
         self._binding = self.session.io_binding()
         types = {i.name: i.type for i in self.session.get_inputs()}
@@ -133,6 +136,15 @@ class OrtEngine(BufferCache):
     ) -> OrtEngine:
         r = bundle.role(role)
         options.setdefault("providers", providers_for(bundle, role, backend))
+        # Only the target's numbers decide the output; a draft may differ between call shapes.
+        options.setdefault("even_rows", role == "target" and r.precision in ("int8", "int4"))
+        if role == "target" and r.precision == "fp16" and backend == "onnxruntime":
+            raise SpecrtError(
+                f"{bundle.path}: the target is fp16, which is meant for GPU providers. On CPU, "
+                "ONNX Runtime's fp16 kernels give logits that depend on how many tokens a call "
+                "carries (measured: 2e-3), so speculation could not promise the target's own "
+                "tokens; build the target as fp32, int8 or int4 for CPU"
+            )
         return cls(
             r.graph,
             num_layers=r.dim("num_layers"),
@@ -144,18 +156,30 @@ class OrtEngine(BufferCache):
         )
 
     def forward(self, tokens: Sequence[int], last: int | None = None) -> np.ndarray:
+        """Run the new tokens; with even_rows, an odd count gets one padding row after them.
+
+        ONNX Runtime's MatMulNBits kernels (int8/int4) take activation rows in pairs and give an
+        odd last row to a one-row kernel whose results differ (measured on the int4 1.5B target:
+        up to 0.3 in a logit). A position's logits would then depend on how calls are cut, and
+        a verify call of K+1 tokens would not reproduce one-token decoding. With every call even,
+        every row goes through the pair kernel. The padding row sits after the real ones, so no
+        real row attends to it, and its cache entry is overwritten by the next call; it costs
+        one position of context and, on these kernels, next to no time (2 rows ≈ 1 row).
+        """
         count = len(tokens)
         keep = check_room(self, count, last)
+        pad = int(self.even_rows and count % 2 == 1)
         start, end = self._length, self._length + count
+        ids = np.asarray([*tokens, *tokens[-1:] * pad], dtype=np.int64)[None]
         bind = self._binding
-        bind.bind_cpu_input("input_ids", np.asarray(tokens, dtype=np.int64)[None])
-        bind.bind_cpu_input("attention_mask", self._mask[:, :end])
-        bind.bind_cpu_input("position_ids", self._positions[:, start:end])
-        bind.bind_cpu_input("logits_to_keep", np.array([keep], dtype=np.int64))
-        if keep > self._logits.shape[1]:
-            self._logits = np.empty((1, keep, self.vocab_size), self._logits_type)
-        out = self._logits[:, :keep]
+        bind.bind_cpu_input("input_ids", ids)
+        bind.bind_cpu_input("attention_mask", self._mask[:, : end + pad])
+        bind.bind_cpu_input("position_ids", self._positions[:, start : end + pad])
+        bind.bind_cpu_input("logits_to_keep", np.array([keep + pad], dtype=np.int64))
+        if keep + pad > self._logits.shape[1]:
+            self._logits = np.empty((1, keep + pad, self.vocab_size), self._logits_type)
+        out = self._logits[:, : keep + pad]
         bind.bind_output("logits", "cpu", 0, self._logits_type, list(out.shape), out.ctypes.data)
         self.session.run_with_iobinding(bind)
         self._length = end
-        return out[0].astype(np.float32)
+        return out[0, :keep].astype(np.float32)

@@ -354,9 +354,12 @@ def _real_bundle(config: dict) -> Path:
     from specrt.models import lookup, pull
 
     paths = {role: pull(lookup(config[role]), log=_log) for role in ("draft", "target")}
-    bundle = specrt_home() / "bundles" / f"{config['draft']}__{config['target']}"
+    draft_precision = config.get("draft_precision", "fp32")
+    name = f"{config['draft']}-{draft_precision}__{config['target']}"
+    bundle = specrt_home() / "bundles" / name
     if not _cached_bundle(bundle):
         from specrt.exporter.build import build_bundle
+        from specrt.exporter.precision import Precision
 
         build_bundle(
             str(paths["draft"]),
@@ -364,6 +367,7 @@ def _real_bundle(config: dict) -> Path:
             bundle,
             max_draft=config["max_draft"],
             max_context=config["max_context"],
+            precision={"draft": Precision(draft_precision)},
             force=True,
             log=_log,
         )

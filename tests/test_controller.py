@@ -43,9 +43,11 @@ def test_adaptive_climbs_to_k_max_when_every_draft_is_accepted():
 
 
 def test_adaptive_on_an_always_agreeing_draft(agree):
+    """How far K climbs here depends on wall-clock costs on a shared machine; the climb itself
+    is tested above with deterministic costs."""
     result = agree.generate(PROMPT, max_new_tokens=100, ignore_eos=True)
     assert result.stats.acceptance_rate == 1.0
-    assert max(result.stats.ks) >= 6  # how far it climbs depends on measured (noisy) costs
+    assert result.stats.tokens_per_target_call > 1.5
 
 
 @pytest.mark.parametrize("controller", ["heuristic", "adaptive"])
@@ -94,6 +96,9 @@ def test_verify_cost_interpolates_and_extrapolates_the_measured_curve():
     assert costs.verify_cost(4) == pytest.approx(0.22)  # between 3 and 5
     assert costs.verify_cost(7) == pytest.approx(0.46)  # beyond: slope of 3..5
     assert StepCosts(verify={2: 0.2}).verify_cost(9) == 0.2  # one point: flat
+    spiky = StepCosts(verify={1: 0.10, 2: 0.50, 3: 0.12})  # a noisy sample at 2
+    assert spiky.verify_cost(2) == 0.12  # never above a larger count's measurement
+    assert spiky.verify_cost(1) == 0.10
     costs.observe_verify(1, 0.20)
     assert costs.verify_cost(1) == pytest.approx(0.7 * 0.10 + 0.3 * 0.20)
 

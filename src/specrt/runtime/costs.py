@@ -6,7 +6,10 @@ not modelled: weight-streaming float32 kernels make a 9-token call cost ~1.5x a 
 while int4 kernels that are compute-bound for more than one row make it 3x or more, and no single
 formula fits both. `measure_costs` measures every count the runtime can use once at load time; each
 round then refines the count it used (EWMA). Counts never measured are interpolated linearly
-between measured neighbours, or extrapolated from the last two.
+between measured neighbours, or extrapolated from the last two. A call with more tokens never
+costs less than one with fewer (it could be padded), so a count is never priced above a larger
+count's measurement: on a shared machine one noisy sample would otherwise price a K out of
+reach for good, since only the K the policy picks get measured again.
 """
 
 from __future__ import annotations
@@ -39,6 +42,10 @@ class StepCosts:
 
     def verify_cost(self, new_tokens: int) -> float:
         """c_verify for a call with new_tokens tokens, from the measured curve."""
+        larger = [t for n, t in self.verify.items() if n > new_tokens]
+        return min([self._raw_cost(new_tokens), *larger])
+
+    def _raw_cost(self, new_tokens: int) -> float:
         if new_tokens in self.verify:
             return self.verify[new_tokens]
         known = sorted(self.verify)

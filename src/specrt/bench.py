@@ -30,7 +30,7 @@ import numpy as np
 from specrt.bundle import Bundle
 from specrt.files import write_json_atomic
 from specrt.runtime import SpeculativeRuntime
-from specrt.runtime.costs import measure_verify_curve
+from specrt.runtime.costs import measure_costs
 from specrt.runtime.text import TextTokenizer
 
 FIXED_KS = (1, 2, 4, 6, 8)
@@ -296,7 +296,7 @@ def run_bench(
         configs = [(n, o) for n, o in specrt_configs(bundle_ks(bundle), suffix) if wanted(n)]
         if not configs:
             continue
-        rt = SpeculativeRuntime.load(bundle.path, threads=threads)
+        rt = SpeculativeRuntime.load(bundle.path, threads=threads, calibrate=False)
         costs[label] = cost_report(rt)
         for name, options in configs:
             record(name, specrt_runner(rt, max_new_tokens, **options), TARGET_ALONE + suffix)
@@ -324,10 +324,12 @@ def run_bench(
 
 def cost_report(rt: SpeculativeRuntime) -> dict:
     """The draft step and the target's verify curve after a 48-token prefix, K = 0..16 drafts
-    (beyond the bundle's K_max only where its context allows), in ms and relative to K = 0."""
+    (beyond the bundle's K_max only where its context allows), in ms and relative to K = 0.
+
+    The same measurement calibrates the runtime, so the bench measures the curve once."""
     room = rt.target.capacity - 48
-    curve = measure_verify_curve(rt.target, min(CURVE_TOKENS, room), repeats=3)
-    draft = measure_verify_curve(rt.draft, 1, repeats=3)[1]
+    rt.costs = measure_costs(rt.draft, rt.target, min(CURVE_TOKENS, room) - 1, repeats=3)
+    curve, draft = rt.costs.curve(), rt.costs.draft_step
     one = curve[1]
     return {
         "draft_step_ms": 1000 * draft,

@@ -89,8 +89,8 @@ def measure_verify_curve(
     return curve
 
 
-def measure_costs(draft: Engine, target: Engine, k_max: int) -> StepCosts:
+def measure_costs(draft: Engine, target: Engine, k_max: int, repeats: int = 2) -> StepCosts:
     """Measure the target's verify curve for K = 0..k_max and the draft's step cost."""
-    costs = StepCosts(verify=measure_verify_curve(target, k_max + 1))
-    costs.draft_step = measure_verify_curve(draft, 1)[1]
+    costs = StepCosts(verify=measure_verify_curve(target, k_max + 1, repeats))
+    costs.draft_step = measure_verify_curve(draft, 1, repeats)[1]
     return costs

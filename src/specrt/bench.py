@@ -7,9 +7,8 @@ same token ids. Every output is compared with the baseline's and with the target
 its own bundle (what it is lossless against), and mismatches are counted, not hidden. Each
 bundle's verify-cost curve and the process's memory are recorded beside the speeds.
 
-Per-token latency: a round emits its block of tokens at once, so each token is charged the
-time since the previous block divided by the tokens in its block (for one-token decoding this
-is the usual inter-token latency).
+Per-token latency is charged as `per_token_latencies` says: a round's block of tokens shares the
+time since the previous block.
 """
 
 from __future__ import annotations
@@ -30,6 +29,7 @@ import numpy as np
 from specrt.bundle import Bundle
 from specrt.files import write_json_atomic
 from specrt.runtime import SpeculativeRuntime
+from specrt.runtime.api import per_token_latencies
 from specrt.runtime.costs import measure_costs
 from specrt.runtime.text import TextTokenizer
 
@@ -80,18 +80,6 @@ def load_prompts(paths: Sequence[Path]) -> list[dict]:
                 item.setdefault("set", Path(path).stem)
                 prompts.append(item)
     return prompts
-
-
-def per_token_latencies(token_times: list[float], ttft: float) -> list[float]:
-    latencies, previous, i = [], ttft, 0
-    times = token_times[1:]  # the first token is time-to-first-token, reported apart
-    while i < len(times):
-        j = i
-        while j < len(times) and times[j] == times[i]:
-            j += 1
-        latencies += [(times[i] - previous) / (j - i)] * (j - i)
-        previous, i = times[i], j
-    return latencies
 
 
 def summarize(name: str, runs: list[Run]) -> Row:

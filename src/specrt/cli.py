@@ -1,4 +1,4 @@
-"""The `specrt` command line: build, inspect, generate, demo.
+"""The `specrt` command line: build, inspect, generate, demo, bench, serve, models.
 
 Every user-facing failure is a SpecrtError; the group turns it into one clear line and exit
 status 1 instead of a traceback. Heavy imports happen inside the commands that need them.
@@ -447,6 +447,77 @@ def bench(bundles, prompt_files, max_new_tokens, repeat, only, threads, out, nam
     for path in write_report(result, out, name or Path(bundles[0]).resolve().name):
         _log(f"wrote {path}")
     click.echo(markdown(result))
+
+
+@cli.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--port", default=8000, show_default=True)
+@click.option("--max-queue", default=32, show_default=True, help="Waiting requests; then 429.")
+@click.option(
+    "--timeout",
+    default=600.0,
+    show_default=True,
+    help="Seconds per request, queue included (0 = none).",
+)
+@click.option(
+    "--controller",
+    default="adaptive",
+    show_default=True,
+    help="Default speculation: off | fixed:K | heuristic | adaptive.",
+)
+@click.option(
+    "--api-key", envvar="SPECRT_API_KEY", default=None, help="Require 'Authorization: Bearer KEY'."
+)
+@click.option(
+    "--model-name", default=None, help="The model id clients send [default: bundle name]."
+)
+@click.option("--backend", default="onnxruntime", show_default=True, type=click.Choice(BACKENDS))
+@click.option("--threads", type=int, default=None, help="Intra-op threads (default: all cores).")
+@click.option("--log-level", default="info", show_default=True)
+def serve(
+    bundle,
+    host,
+    port,
+    max_queue,
+    timeout,
+    controller,
+    api_key,
+    model_name,
+    backend,
+    threads,
+    log_level,
+):
+    """Serve BUNDLE over an OpenAI-compatible HTTP API (needs the serve extra)."""
+    from specrt.bundle import Bundle
+    from specrt.runtime.controller import make_controller
+
+    try:
+        from specrt.serve.app import run
+        from specrt.serve.settings import ServeSettings
+    except ImportError as err:
+        raise SpecrtError(
+            f"specrt serve needs the serve extra: pip install 'specrt[serve]' ({err})"
+        ) from err
+    loaded = Bundle.load(bundle)  # a missing or damaged bundle fails here, not after start-up
+    if controller != "off":
+        make_controller(controller, loaded.max_draft)
+    if max_queue < 0:
+        raise SpecrtError(f"--max-queue must be >= 0, got {max_queue}")
+    settings = ServeSettings(
+        bundle=bundle,
+        host=host,
+        port=port,
+        max_queue=max_queue,
+        timeout=timeout or None,
+        controller=controller,
+        api_key=api_key or None,
+        model_name=model_name,
+        backend=backend,
+        threads=threads,
+    )
+    _log(f"serving {settings.served_model} on http://{host}:{port}/v1 (loading the engines)")
+    run(settings, log_level=log_level)
 
 
 @cli.command()

@@ -26,9 +26,25 @@ from specrt.runtime.controller import make_controller
 from specrt.runtime.costs import StepCosts, measure_costs
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.speculative import LoopStats, Request, speculate
-from specrt.runtime.text import IncrementalDecoder, TextTokenizer
+from specrt.runtime.stops import StopRules
+from specrt.runtime.text import TextTokenizer
 
 Prompt = str | Sequence[dict] | Sequence[int]
+
+
+def per_token_latencies(token_times: Sequence[float], ttft: float) -> list[float]:
+    """Seconds per token after the first. A round emits its block of tokens at once, so each
+    token is charged the time since the previous block divided by the block's size (for
+    one-token decoding this is the usual inter-token latency)."""
+    latencies, previous, i = [], ttft, 0
+    times = token_times[1:]  # the first token is the time to first token, reported apart
+    while i < len(times):
+        j = i
+        while j < len(times) and times[j] == times[i]:
+            j += 1
+        latencies += [(times[i] - previous) / (j - i)] * (j - i)
+        previous, i = times[i], j
+    return latencies
 
 
 @dataclass
@@ -52,6 +68,9 @@ class Stats(LoopStats):
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.total_seconds if self.total_seconds else 0.0
 
+    def token_latencies(self) -> list[float]:
+        return per_token_latencies(self.token_times, self.ttft_seconds)
+
     def to_dict(self) -> dict:
         derived = ("acceptance_rate", "tokens_per_target_call", "tokens_per_second")
         return {**asdict(self), **{name: getattr(self, name) for name in derived}}
@@ -61,23 +80,16 @@ class Stats(LoopStats):
 class Result:
     text: str
     token_ids: list[int]
-    finish_reason: str  # "eos" | "stop" | "length" | "context"
+    finish_reason: str  # "eos" | "stop" | "length" | "context" | "timeout" | "cancelled"
     stats: Stats = field(repr=False)
 
 
-def _partial_stop(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest suffix of text that could still grow into a stop string."""
-    longest = 0
-    for stop in stops:
-        for size in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:size]):
-                longest = size
-                break
-    return longest
-
-
 class Generation:
-    """One request: iterate for text deltas; `.result` is set once iteration ends."""
+    """One request: iterate for text deltas; `.result` is set once iteration ends.
+
+    Iterating drives the engines, so it belongs to one thread at a time. `cancel` may be called
+    from any thread: the generation ends after the round in flight, with that finish reason.
+    """
 
     def __init__(
         self,
@@ -85,55 +97,53 @@ class Generation:
         request: Request,
         controller,
         speculate_: bool,
-        stop: Sequence[str],
-        eos: frozenset[int],
+        stops: StopRules,
+        deadline: float | None = None,
     ):
-        self.runtime, self.request, self.stop, self.eos = runtime, request, list(stop), eos
+        self.runtime, self.request, self.stops = runtime, request, stops
         self.controller, self.speculate = controller, speculate_
+        self.deadline = deadline  # time.monotonic() past which the generation ends ("timeout")
+        self.cancelled: str | None = None
         self.result: Result | None = None
 
+    def cancel(self, reason: str = "cancelled") -> None:
+        self.cancelled = self.cancelled or reason
+
+    def _interrupted(self) -> str | None:
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            return "timeout"
+        return self.cancelled
+
     def __iter__(self) -> Iterator[str]:
-        rt, req = self.runtime, self.request
+        rt, req, stops = self.runtime, self.request, self.stops
         stats = Stats(prompt_tokens=len(req.prompt), controller=self.controller.__class__.__name__)
-        decoder = IncrementalDecoder(rt.tokenizer)
-        tokens: list[int] = []
-        finish, shown, text = "context", 0, ""
         start = time.perf_counter()
         draft = rt.draft if self.speculate else None
-        for emitted in speculate(draft, rt.target, req, self.controller, stats):
+        rounds = speculate(draft, rt.target, req, self.controller, stats)
+        for emitted in rounds:
             now = time.perf_counter() - start
-            if not tokens:
+            if not stops.tokens:
                 stats.ttft_seconds = now
             for token in emitted:
-                tokens.append(token)
                 stats.token_times.append(now)
-                if token in self.eos:
-                    finish = "eos"
+                if stops.push(token):
                     break
-                decoder.push(token)
-                text, cut = self._apply_stops(decoder.text)
-                if cut:
-                    finish = "stop"
-                    break
-                if len(tokens) >= req.max_new_tokens:
-                    finish = "length"
-                    break
-            else:
-                safe = len(text) - _partial_stop(text, self.stop)
-                if safe > shown:
-                    yield text[shown:safe]
-                    shown = safe
-                continue
-            break
-        if shown < len(text):
-            yield text[shown:]
+            interrupted = self._interrupted()
+            if interrupted:
+                stops.end(interrupted)
+            delta = stops.release()
+            if delta:
+                yield delta
+            if stops.finish:
+                break
+        rounds.close()
+        stops.end("context")  # the loop ran out of room before any other reason came
+        delta = stops.release()
+        if delta:
+            yield delta
         stats.total_seconds = time.perf_counter() - start
-        stats.new_tokens = len(tokens)
-        self.result = Result(text, tokens, finish, stats)
-
-    def _apply_stops(self, text: str) -> tuple[str, bool]:
-        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
-        return (text[: min(hits)], True) if hits else (text, False)
+        stats.new_tokens = len(stops.tokens)
+        self.result = Result(stops.text, stops.tokens, stops.finish, stats)
 
 
 class SpeculativeRuntime:
@@ -176,11 +186,13 @@ class SpeculativeRuntime:
         """Token ids for a prompt (see TextTokenizer.encode_prompt), checked against the context."""
         ids = self.tokenizer.encode_prompt(prompt)
         if not ids:
-            raise SpecrtError("the prompt is empty")
+            raise SpecrtError("the prompt is empty", param="prompt")
         if len(ids) >= self.bundle.max_context:
             raise SpecrtError(
                 f"the prompt has {len(ids)} tokens; the bundle's max context is "
-                f"{self.bundle.max_context}, leaving no room to generate"
+                f"{self.bundle.max_context}, leaving no room to generate",
+                param="prompt",
+                code="context_length_exceeded",
             )
         return ids
 
@@ -196,26 +208,41 @@ class SpeculativeRuntime:
         stop: Sequence[str] = (),
         controller=None,
         speculate: bool = True,
+        min_draft: int | None = None,
+        max_draft: int | None = None,
         load: int = 0,
         ignore_eos: bool = False,
+        timeout: float | None = None,
     ) -> Generation:
         """Start a request; iterate the result for text deltas, then read `.result`.
 
-        controller is a spec (`fixed:K`, `heuristic`, `adaptive`) or a policy object of one's
-        own; ignore_eos generates exactly max_new_tokens (what benchmarks need); load is the
-        caller's queue depth, which caps the speculation length under the adaptive policy.
+        Safe to call from any thread (it tokenizes and validates; no engine runs until the
+        result is iterated). controller is a spec (`fixed:K`, `heuristic`, `adaptive`) or a
+        policy object of one's own; min_draft/max_draft bound the K a spec may choose (K_max
+        caps max_draft); ignore_eos generates exactly max_new_tokens (what benchmarks need);
+        load is the caller's queue depth, which caps K under the adaptive policy and is read
+        again every round (a scheduler may update `generation.request.load`); timeout, in
+        seconds from now, ends the generation after the round in flight (finish "timeout").
         """
         if max_new_tokens < 1:
-            raise SpecrtError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+            raise SpecrtError(
+                f"max_new_tokens must be >= 1, got {max_new_tokens}", param="max_new_tokens"
+            )
         if load < 0:
-            raise SpecrtError(f"load must be >= 0, got {load}")
+            raise SpecrtError(f"load must be >= 0, got {load}", param="load")
         params = SamplingParams(temperature, top_k, top_p)
-        policy = make_controller(controller or self.controller, self.bundle.max_draft, self.costs)
+        bounds = None
+        if min_draft is not None or max_draft is not None:
+            bounds = (min_draft or 0, self.bundle.max_draft if max_draft is None else max_draft)
+        spec = controller or self.controller
+        policy = make_controller(spec, self.bundle.max_draft, self.costs, bounds=bounds)
         request = Request(
             self.encode(prompt), params, max_new_tokens, np.random.default_rng(seed), load
         )
         eos = frozenset() if ignore_eos else self.eos_token_ids
-        return Generation(self, request, policy, speculate, [s for s in stop if s], eos)
+        stops = StopRules(self.tokenizer, stop, eos, max_new_tokens)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return Generation(self, request, policy, speculate, stops, deadline)
 
     def generate(self, prompt: Prompt, **options) -> Result:
         generation = self.stream(prompt, **options)

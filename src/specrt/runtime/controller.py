@@ -134,28 +134,54 @@ class Adaptive:
         self.costs.observe_verify(k + 1, verify_s)
 
 
-def make_controller(spec, k_max: int, costs: StepCosts | None = None):
+def make_controller(
+    spec, k_max: int, costs: StepCosts | None = None, *, bounds: tuple[int, int] | None = None
+):
     """`fixed:K`, `heuristic` or `adaptive`; K must fit the bundle's K_max. `adaptive` reads and
     refines `costs` when given (the runtime's shared, calibrated ones), else learns its own.
+
+    bounds = (lowest, highest) K the caller allows (llama.cpp's `speculative.n_min/n_max`):
+    the highest is capped at K_max, the lowest must fit under it, and a fixed K must lie inside.
 
     Anything else with `decide`, `observe` and `confidence_threshold` is a policy already and is
     used as given (one instance per request, since policies keep per-request state).
     """
     if not isinstance(spec, str):
         return spec
+    low, high = _check_bounds(bounds, k_max)
     name, _, arg = spec.partition(":")
     if name == "fixed":
         try:
             k = int(arg)
         except ValueError:
-            raise SpecrtError(f"controller {spec!r}: write fixed:K with a number K") from None
+            raise _bad(f"controller {spec!r}: write fixed:K with a number K") from None
         if not 0 <= k <= k_max:
-            raise SpecrtError(f"controller {spec!r}: K must be in 0..{k_max} (the bundle's K_max)")
+            raise _bad(f"controller {spec!r}: K must be in 0..{k_max} (the bundle's K_max)")
+        if bounds and not low <= k <= high:
+            raise _bad(f"controller {spec!r}: K is outside the requested bounds {low}..{high}")
         return Fixed(k)
     if arg:
-        raise SpecrtError(f"controller {name!r} takes no argument")
+        raise _bad(f"controller {name!r} takes no argument")
+    if name not in ("heuristic", "adaptive"):
+        raise _bad(f"unknown controller {spec!r}; use fixed:K, heuristic or adaptive")
+    if high == 0:
+        return Fixed(0)
+    low = max(low, 1)
     if name == "heuristic":
-        return Heuristic(k_max=k_max, start=min(4, k_max))
-    if name == "adaptive":
-        return Adaptive(k_max=k_max, costs=costs or StepCosts())
-    raise SpecrtError(f"unknown controller {spec!r}; use fixed:K, heuristic or adaptive")
+        return Heuristic(k_min=low, k_max=high, start=int(np.clip(4, low, high)))
+    return Adaptive(k_min=low, k_max=high, costs=costs or StepCosts())
+
+
+def _check_bounds(bounds: tuple[int, int] | None, k_max: int) -> tuple[int, int]:
+    if bounds is None:
+        return 0, k_max
+    low, high = bounds
+    if not 0 <= low <= k_max:
+        raise _bad(f"the lowest K must be in 0..{k_max} (the bundle's K_max), got {low}")
+    if high < low:
+        raise _bad(f"the highest K ({high}) is below the lowest ({low})")
+    return low, min(high, k_max)
+
+
+def _bad(message: str) -> SpecrtError:
+    return SpecrtError(message, param="controller")

@@ -25,11 +25,16 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not np.isfinite(self.temperature) or self.temperature < 0:
-            raise SpecrtError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+            raise SpecrtError(
+                f"temperature must be >= 0 (0 = greedy), got {self.temperature}",
+                param="temperature",
+            )
         if int(self.top_k) != self.top_k or self.top_k < 0:
-            raise SpecrtError(f"top_k must be a whole number >= 0 (0 = off), got {self.top_k}")
+            raise SpecrtError(
+                f"top_k must be a whole number >= 0 (0 = off), got {self.top_k}", param="top_k"
+            )
         if not 0 < self.top_p <= 1:
-            raise SpecrtError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+            raise SpecrtError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}", param="top_p")
 
     @property
     def greedy(self) -> bool:

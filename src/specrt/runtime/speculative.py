@@ -33,8 +33,10 @@ class LoopStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     prefill_seconds: float = 0.0
-    ks: list[int] = field(default_factory=list)
+    ks: list[int] = field(default_factory=list)  # per round: the K the controller chose
     reasons: list[str] = field(default_factory=list)
+    drafted_counts: list[int] = field(default_factory=list)  # per round (< K if the draft stopped)
+    accepted_counts: list[int] = field(default_factory=list)  # per round
 
 
 @dataclass
@@ -119,6 +121,8 @@ def speculate(
         stats.target_calls += 1
         stats.drafted += len(drafts)
         stats.accepted += accepted
+        stats.drafted_counts.append(len(drafts))
+        stats.accepted_counts.append(accepted)
         stats.draft_seconds += t1 - t0
         stats.verify_seconds += t2 - t1
         yield emitted

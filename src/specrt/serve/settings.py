@@ -1,0 +1,26 @@
+"""One settings object for the server, filled by the CLI (and its environment variables) or by
+a program that hosts the app itself."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    bundle: Path
+    host: str = "127.0.0.1"  # loopback unless told otherwise
+    port: int = 8000
+    max_queue: int = 32  # requests waiting for the engines; past this, 429
+    timeout: float | None = 600.0  # seconds a request may take in all, queue included
+    controller: str = "adaptive"  # the default `speculation` of a request
+    api_key: str | None = None  # when set, every route but /health needs it
+    model_name: str | None = None  # the `model` clients send; default: the bundle folder's name
+    backend: str = "onnxruntime"
+    threads: int | None = None
+    calibrate: bool = True  # measure the cost curves before reporting ready
+
+    @property
+    def served_model(self) -> str:
+        return self.model_name or Path(self.bundle).resolve().name

@@ -1,0 +1,502 @@
+"""`specrt serve` as clients see it: the real server on a free loopback port, driven by the
+official `openai` client (and raw HTTP where a client would refuse to send the request)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from specrt.exporter.build import build_bundle
+from specrt.runtime import SpeculativeRuntime
+from specrt.serve import ServeSettings, create_app
+from specrt.serve.app import Server
+from specrt.serve.errors import APIError
+from specrt.serve.protocol import CompletionRequest
+from specrt.serve.worker import Job
+
+CONTEXT = 1024  # room for generations long enough to cancel in the middle
+PROMPTS = ["def fibonacci(n):", "The quick brown fox", "import numpy as np\n"]
+GREEDY = {"temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def bundle(pairs, tmp_path_factory) -> Path:
+    draft, target = pairs["llama"]
+    out = tmp_path_factory.mktemp("serve") / "tiny"
+    return build_bundle(str(draft), str(target), out, max_context=CONTEXT, log=lambda _: None)
+
+
+@pytest.fixture(scope="module")
+def reference(bundle) -> SpeculativeRuntime:
+    """A runtime of the test's own, for the outputs the server must reproduce."""
+    return SpeculativeRuntime.load(bundle, calibrate=False)
+
+
+@contextmanager
+def serving(settings: ServeSettings, runtime: SpeculativeRuntime | None = None):
+    """uvicorn in a thread on a free 127.0.0.1 port; yields (base URL, the app)."""
+    app = create_app(settings, runtime)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}", app
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+def wait_healthy(base: str, timeout: float = 120) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        status, body = http(f"{base}/health")
+        if status == 200 or time.monotonic() > deadline:
+            return body
+        time.sleep(0.05)
+
+
+def http(url: str, body: bytes | None = None, headers: dict | None = None) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=body, headers=headers or {})
+    if body is not None:
+        request.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def client(base: str, key: str = "none", **options) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, **options)
+
+
+def metric_values(base: str) -> dict[tuple[str, tuple], float]:
+    with urllib.request.urlopen(f"{base}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[sample.name, tuple(sorted(sample.labels.items()))] = sample.value
+    return values
+
+
+@pytest.fixture(scope="module")
+def server(bundle):
+    """One server for the module's ordinary tests (runtime loaded by the app itself)."""
+    settings = ServeSettings(bundle=bundle, model_name="tiny", max_queue=64)
+    with serving(settings) as (base, app):
+        assert wait_healthy(base)["status"] == "ok"
+        yield base, app
+
+
+def test_completions_and_chat_equal_the_runtime(server, reference):
+    base, _ = server
+    api = client(base)
+    for prompt in PROMPTS:
+        want = reference.generate(prompt, max_new_tokens=40)
+        plain = api.completions.create(model="tiny", prompt=prompt, max_tokens=40, **GREEDY)
+        assert plain.choices[0].text == want.text
+        assert plain.usage.completion_tokens == len(want.token_ids)
+        assert plain.usage.prompt_tokens == want.stats.prompt_tokens
+        assert plain.choices[0].finish_reason == ("length" if len(want.token_ids) == 40 else "stop")
+        chunks = list(
+            api.completions.create(
+                model="tiny", prompt=prompt, max_tokens=40, stream=True, **GREEDY
+            )
+        )
+        assert "".join(c.choices[0].text for c in chunks) == want.text
+        assert chunks[-1].choices[0].finish_reason == plain.choices[0].finish_reason
+
+    messages = [{"role": "user", "content": "Write a haiku about caches."}]
+    want = reference.generate(messages, max_new_tokens=30)
+    chat = api.chat.completions.create(model="tiny", messages=messages, max_tokens=30, **GREEDY)
+    assert chat.choices[0].message.content == want.text
+    assert chat.choices[0].message.role == "assistant"
+    stream = api.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_completion_tokens=30,
+        stream=True,
+        stream_options={"include_usage": True},
+        **GREEDY,
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want.text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want.token_ids)
+
+
+def test_speculation_stats_and_off(server, reference):
+    base, _ = server
+    api = client(base)
+    spec = api.completions.create(
+        model="tiny",
+        prompt=PROMPTS[0],
+        max_tokens=30,
+        extra_body={"speculation": "fixed:3", "ignore_eos": True},
+        **GREEDY,
+    )
+    off = api.completions.create(
+        model="tiny",
+        prompt=PROMPTS[0],
+        max_tokens=30,
+        extra_body={"speculation": "off", "ignore_eos": True},
+        **GREEDY,
+    )
+    assert spec.choices[0].text == off.choices[0].text  # speculation never changes the output
+    ks = spec.speculation["ks"]
+    assert spec.speculation["drafted"] > 0 and ks[0] == max(ks) == 3  # K falls only near the end
+    assert off.speculation["drafted"] == 0
+    bounded = api.completions.create(
+        model="tiny",
+        prompt=PROMPTS[0],
+        max_tokens=30,
+        extra_body={
+            "speculation": "heuristic",
+            "speculative.n_max": 2,
+            "speculative.n_min": 2,
+            "ignore_eos": True,
+        },
+        **GREEDY,
+    )
+    assert bounded.speculation["ks"][0] == max(bounded.speculation["ks"]) == 2
+    assert bounded.choices[0].text == off.choices[0].text
+
+
+def test_specrt_generate_gives_the_same_text(server, bundle):
+    """The same bundle through the CLI: what a user compares the server with."""
+    base, _ = server
+    done = subprocess.run(
+        [sys.executable, "-m", "specrt.cli", "generate", str(bundle), PROMPTS[1]]
+        + ["--max-new-tokens", "32", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    want = json.loads(done.stdout)
+    got = client(base).completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=32, **GREEDY)
+    assert got.choices[0].text == want["text"]
+
+
+@pytest.mark.parametrize("speculation", ["fixed:4", "heuristic"])
+def test_seeds_reproduce_sampled_output(server, speculation):
+    api = client(server[0])
+
+    def sample(seed: int) -> str:
+        return (
+            api.completions.create(
+                model="tiny",
+                prompt=PROMPTS[0],
+                max_tokens=40,
+                temperature=0.9,
+                top_p=0.95,
+                seed=seed,
+                extra_body={"speculation": speculation, "top_k": 50, "ignore_eos": True},
+            )
+            .choices[0]
+            .text
+        )
+
+    assert sample(7) == sample(7)
+    assert sample(7) != sample(8)
+
+
+TOO_LONG = "word " * 2 * CONTEXT
+BAD_REQUESTS = [  # (endpoint, body, param, code or None, words of the message)
+    ("completions", {"max_tokens": 4}, "prompt", None, "Field required"),
+    ("completions", {"prompt": 5}, "prompt", None, "valid"),
+    ("completions", {"prompt": "x", "temperature": "hot"}, "temperature", None, "valid number"),
+    ("completions", {"prompt": "x", "temperature": -0.5}, "temperature", None, ">= 0"),
+    ("completions", {"prompt": "x", "top_p": 0}, "top_p", None, "(0, 1]"),
+    ("completions", {"prompt": "x", "top_p": 1.5}, "top_p", None, "(0, 1]"),
+    ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens", None, "greater than 0"),
+    ("completions", {"prompt": "x", "n": 2}, "n", None, "n must be 1"),
+    ("completions", {"prompt": TOO_LONG}, "prompt", "context_length_exceeded", "max context"),
+    ("completions", {"prompt": "x y", "max_tokens": CONTEXT}, "max_tokens",
+     "context_length_exceeded", "context is 1024"),
+    ("completions", {"prompt": "x", "speculation": "fixed:9"}, "speculation", None, "K_max"),
+    ("completions", {"prompt": "x", "speculation": "turbo"}, "speculation", None, "unknown"),
+    ("completions", {"prompt": "x", "speculative.n_min": 9}, "speculation", None, "lowest K"),
+    ("completions", {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty", None, "not"),
+    ("completions", {"prompt": ["a", "b"]}, "prompt", None, "one prompt per request"),
+    ("chat/completions", {"messages": []}, "messages", None, "at least 1"),
+    ("chat/completions", {"messages": [{"role": "user", "content": TOO_LONG}]}, "messages",
+     "context_length_exceeded", "max context"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages.0.content", None, ""),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{}]},
+     "tools", None, "not supported"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("endpoint, body, param, code, words", BAD_REQUESTS)
+def test_bad_requests_get_a_400_naming_the_problem(server, endpoint, body, param, code, words):
+    base, _ = server
+    status, reply = http(f"{base}/v1/{endpoint}", json.dumps({"model": "tiny", **body}).encode())
+    assert status == 400, reply
+    error = reply["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] is not None and error["param"].startswith(param)
+    assert words in error["message"]
+    if code:
+        assert error["code"] == code
+    ok = client(base).completions.create(model="tiny", prompt="x", max_tokens=3)  # still served
+    assert ok.usage.completion_tokens >= 1
+
+
+def test_malformed_json_unknown_model_and_the_openai_client_errors(server):
+    base, _ = server
+    status, reply = http(f"{base}/v1/completions", b'{"prompt": "x",')
+    assert status == 400 and reply["error"]["code"] == "invalid_json"
+    api = client(base)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        api.completions.create(model="gpt-4o", prompt="x", max_tokens=3)
+    with pytest.raises(openai.BadRequestError) as caught:
+        api.completions.create(model="tiny", prompt="x", temperature=-1)
+    assert caught.value.body["param"] == "temperature"
+    assert [m.id for m in api.models.list().data] == ["tiny"]
+    assert api.models.retrieve("tiny").max_model_len == CONTEXT
+
+
+def test_api_key(bundle, reference):
+    settings = ServeSettings(bundle=bundle, model_name="tiny", api_key="sekrit")
+    with serving(settings, reference) as (base, _):
+        assert http(f"{base}/health")[0] == 200  # open, for load balancers
+        for key in ("none", "sekrit2"):
+            with pytest.raises(openai.AuthenticationError, match="API key"):
+                client(base, key).completions.create(model="tiny", prompt="x", max_tokens=2)
+        status, reply = http(f"{base}/metrics")
+        assert status == 401 and reply["error"]["code"] == "invalid_api_key"
+        status, _ = http(f"{base}/v1/completions", b"{bad json")  # the key is checked first
+        assert status == 401
+        ok = client(base, "sekrit").completions.create(model="tiny", prompt="x", max_tokens=2)
+        assert ok.choices[0].text is not None
+
+
+def test_metrics_count_requests_and_speculation(server):
+    base, _ = server
+    before = metric_values(base)
+    api = client(base)
+    got = api.completions.create(
+        model="tiny",
+        prompt=PROMPTS[2],
+        max_tokens=24,
+        extra_body={"speculation": "fixed:2", "ignore_eos": True},
+        **GREEDY,
+    )
+    with pytest.raises(openai.BadRequestError):
+        api.completions.create(model="tiny", prompt="x", top_p=3)
+    after = metric_values(base)
+
+    def delta(name: str, **labels) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert delta("specrt:requests_total", outcome="invalid") == 1
+    done = delta("specrt:requests_total", outcome="length") + delta(
+        "specrt:requests_total", outcome="stop"
+    )
+    assert done == 1
+    drafts = delta("specrt:spec_decode_num_drafts_total")
+    draft_tokens = delta("specrt:spec_decode_num_draft_tokens_total")
+    accepted = delta("specrt:spec_decode_num_accepted_tokens_total")
+    assert draft_tokens == got.speculation["drafted"] and accepted == got.speculation["accepted"]
+    assert 1 <= drafts <= draft_tokens <= 2 * drafts  # K = 2 but where the budget leaves less
+    per_pos = sum(
+        delta("specrt:spec_decode_num_accepted_tokens_per_pos_total", position=str(p))
+        for p in range(2)
+    )
+    assert per_pos == accepted
+    rounds = delta("specrt:spec_decode_k_count")
+    assert rounds == drafts + delta("specrt:spec_decode_rounds_without_speculation_total")
+    assert delta("specrt:generation_tokens_total") >= 1
+    assert delta("specrt:time_to_first_token_seconds_count") == 1
+    assert after["specrt:num_requests_waiting", ()] == 0
+
+
+def test_load_loses_nothing(bundle, reference):
+    """16 clients x 4 requests against a queue of 4: each completes with the sequential
+    output, or gets an explicit 429 with Retry-After; nothing hangs or goes missing."""
+    prompts = [f"{PROMPTS[i % 3]} {i}" for i in range(16)]
+    want = {p: reference.generate(p, max_new_tokens=24).text for p in prompts}
+    settings = ServeSettings(bundle=bundle, model_name="tiny", max_queue=4, timeout=120)
+    with serving(settings, reference) as (base, _):
+        api = client(base, timeout=60)
+
+        def one_client(prompt: str) -> list[str]:
+            outcomes = []
+            for _ in range(4):
+                try:
+                    got = api.completions.create(
+                        model="tiny", prompt=prompt, max_tokens=24, **GREEDY
+                    )
+                except openai.RateLimitError as err:
+                    assert int(err.response.headers["retry-after"]) >= 1
+                    outcomes.append("429")
+                    continue
+                outcomes.append("same" if got.choices[0].text == want[prompt] else "DIFFERENT")
+            return outcomes
+
+        with ThreadPoolExecutor(16) as pool:
+            results = [o for out in pool.map(one_client, prompts, timeout=240) for o in out]
+        values = metric_values(base)
+    assert len(results) == 64
+    assert "DIFFERENT" not in results
+    assert results.count("same") >= 4 and results.count("429") >= 1
+    assert values["specrt:requests_rejected_total", ()] == results.count("429")
+
+
+@pytest.fixture(scope="module")
+def long_seconds(reference) -> float:
+    """How long the server's longest request of these tests takes to run in full."""
+    start = time.perf_counter()
+    reference.generate(PROMPTS[0], max_new_tokens=900, ignore_eos=True)
+    return time.perf_counter() - start
+
+
+LONG = {"max_tokens": 900, "extra_body": {"ignore_eos": True}, **GREEDY}
+
+
+def test_clients_that_leave_free_the_engines(bundle, reference, long_seconds):
+    settings = ServeSettings(bundle=bundle, model_name="tiny")
+    with serving(settings, reference) as (base, _):
+        api = client(base)
+        stream = api.completions.create(model="tiny", prompt=PROMPTS[0], stream=True, **LONG)
+        for _, chunk in zip(range(3), stream, strict=False):
+            assert chunk.choices[0].finish_reason is None
+        stream.close()  # the client goes away mid-stream
+        start = time.perf_counter()
+        api.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=4, **GREEDY)
+        assert time.perf_counter() - start < long_seconds / 3  # it did not wait for the rest
+
+        with pytest.raises(openai.APITimeoutError):  # a plain request whose client gives up
+            client(base, timeout=long_seconds / 10).completions.create(
+                model="tiny", prompt=PROMPTS[2], **LONG
+            )
+        start = time.perf_counter()
+        api.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=4, **GREEDY)
+        assert time.perf_counter() - start < long_seconds / 3
+        values = metric_values(base)
+    assert values["specrt:requests_total", (("outcome", "cancelled"),)] == 2
+    assert values["specrt:generation_tokens_total", ()] < 900
+
+
+def test_timeouts(bundle, reference, long_seconds):
+    """A request past --timeout ends after the round in flight with finish_reason "timeout";
+    one still queued at its deadline is withdrawn with a 504."""
+    limit = long_seconds / 8
+    settings = ServeSettings(bundle=bundle, model_name="tiny", timeout=limit)
+    with serving(settings, reference) as (base, _):
+        api = client(base)
+        start = time.perf_counter()
+        cut = api.completions.create(model="tiny", prompt=PROMPTS[0], **LONG)
+        assert time.perf_counter() - start < long_seconds / 2
+        assert cut.choices[0].finish_reason == "timeout"
+        assert 1 <= cut.usage.completion_tokens < 900
+        streamed = list(
+            api.completions.create(model="tiny", prompt=PROMPTS[0], stream=True, **LONG)
+        )
+        assert streamed[-1].choices[0].finish_reason == "timeout"
+
+
+def test_a_request_queued_past_its_deadline_gets_a_504(bundle, reference, long_seconds):
+    """Driven below HTTP, so that the job ahead has no deadline of its own and the order of
+    events is certain."""
+    settings = ServeSettings(bundle=bundle, model_name="tiny", timeout=long_seconds / 10)
+    server = Server(settings, reference)
+
+    async def scenario() -> None:
+        server.start()
+        ahead = Job(reference.stream(PROMPTS[0], max_new_tokens=900, ignore_eos=True))
+        server.worker.submit(ahead)
+        queued = Job(server.generation(CompletionRequest(prompt="x", max_tokens=2)))
+        server.worker.submit(queued)
+        with pytest.raises(APIError) as caught:
+            await server._first_event(queued)
+        assert caught.value.status == 504 and server.worker.depth == 0
+        ahead.cancel()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        server.stop()
+
+
+def test_health_reports_a_bundle_that_cannot_load(bundle, tmp_path):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(bundle, broken)
+    (broken / "target" / "tokenizer.json").write_text("{}")
+    with serving(ServeSettings(bundle=broken)) as (base, _):
+        deadline = time.monotonic() + 60
+        while (reply := http(f"{base}/health"))[1]["status"] == "loading":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        status, body = reply
+        assert status == 503 and body["status"] == "error"
+        assert "does not match its recorded sha256" in body["detail"]
+        status, body = http(f"{base}/v1/completions", b'{"prompt": "x"}')
+        assert status == 503 and "not ready" in body["error"]["message"]
+
+
+def test_the_cli_serves_with_a_key_from_the_environment(bundle):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "specrt.cli", "serve", str(bundle), "--port", str(port)]
+    env = {**__import__("os").environ, "SPECRT_API_KEY": "k1"}
+    process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, process.stderr.read()
+            try:
+                if http(f"{base}/health")[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "specrt serve did not become healthy"
+            time.sleep(0.2)
+        got = client(base, "k1").completions.create(model=bundle.name, prompt="x", max_tokens=3)
+        assert got.usage.completion_tokens >= 1
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
+def test_the_cli_refuses_a_missing_bundle(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "specrt.cli", "serve", str(tmp_path / "nowhere")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1 and "no such bundle folder" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -48,9 +48,9 @@ def reference(bundle) -> SpeculativeRuntime:
 
 
 @contextmanager
-def serving(settings: ServeSettings, runtime: SpeculativeRuntime | None = None):
+def serving(settings: ServeSettings, runtime: SpeculativeRuntime | None = None, app=None):
     """uvicorn in a thread on a free 127.0.0.1 port; yields (base URL, the app)."""
-    app = create_app(settings, runtime)
+    app = app or create_app(settings, runtime)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -500,3 +500,25 @@ def test_the_cli_refuses_a_missing_bundle(tmp_path):
     )
     assert done.returncode == 1 and "no such bundle folder" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_the_embedding_example_serves(bundle, reference, monkeypatch):
+    import importlib.util
+
+    monkeypatch.setenv("SPECRT_BUNDLE", str(bundle))
+    path = Path(__file__).parents[1] / "examples" / "embed_fastapi.py"
+    spec = importlib.util.spec_from_file_location("embed_fastapi", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    messages = [{"role": "user", "content": "hi"}]
+    want = reference.generate(messages, max_new_tokens=20, temperature=0).text
+    with serving(None, app=example.app) as (base, _):
+        status, reply = http(f"{base}/answer", b'{"question": "hi", "max_new_tokens": 20}')
+        assert status == 200 and reply["text"] == want
+        body = b'{"question": "hi", "max_new_tokens": 20}'
+        request = urllib.request.Request(f"{base}/answer/stream", data=body)
+        request.add_header("Content-Type", "application/json")
+        with urllib.request.urlopen(request, timeout=60) as response:
+            assert response.read().decode() == want
+        status, reply = http(f"{base}/answer", b'{"question": "hi", "max_new_tokens": 0}')
+        assert status == 400 and "max_new_tokens must be >= 1" in reply["detail"]

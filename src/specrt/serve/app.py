@@ -150,7 +150,7 @@ class Server:
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
             return await asyncio.wait_for(job.events.get(), remaining)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
             if self.worker.withdraw(job):
                 raise APIError(
                     504,

@@ -27,7 +27,7 @@ from specrt.serve import ServeSettings, create_app
 from specrt.serve.app import Server
 from specrt.serve.errors import APIError
 from specrt.serve.protocol import CompletionRequest
-from specrt.serve.worker import Job
+from specrt.serve.worker import Done, Job
 
 CONTEXT = 1024  # room for generations long enough to cancel in the middle
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "import numpy as np\n"]
@@ -522,3 +522,30 @@ def test_the_embedding_example_serves(bundle, reference, monkeypatch):
             assert response.read().decode() == want
         status, reply = http(f"{base}/answer", b'{"question": "hi", "max_new_tokens": 0}')
         assert status == 400 and "max_new_tokens must be >= 1" in reply["detail"]
+
+
+def test_the_queue_depth_reaches_the_controller_as_load(bundle, reference):
+    """Below HTTP, like the 504 test: a request that starts with one waiting behind it is
+    told load 1, and the adaptive policy caps K for it (K_max 8 // (1 + 1) = 4)."""
+    server = Server(ServeSettings(bundle=bundle, model_name="tiny"), reference)
+
+    async def scenario() -> list[str]:
+        server.start()
+        ahead = Job(reference.stream(PROMPTS[0], max_new_tokens=900, ignore_eos=True))
+        server.worker.submit(ahead)
+        first, second = (
+            Job(reference.stream(p, max_new_tokens=8, controller="adaptive")) for p in PROMPTS[1:]
+        )
+        server.worker.submit(first)
+        server.worker.submit(second)
+        ahead.cancel()
+        event = await first.events.get()
+        while not isinstance(event, Done):
+            event = await first.events.get()
+        return event.result.stats.reasons
+
+    try:
+        reasons = asyncio.run(scenario())
+    finally:
+        server.stop()
+    assert "load 1 caps K at 4" in reasons[0]

@@ -9,7 +9,10 @@ import pytest
 
 from specrt.bench import load_prompts, per_token_latencies, run_bench, write_report
 
-PROMPT_FILES = sorted(Path(__file__).parent.parent.glob("benchmarks/prompts/*.jsonl"))
+PROMPT_FILES = [
+    Path(__file__).parent.parent / "benchmarks" / "prompts" / f"{name}.jsonl"
+    for name in ("chat", "code")
+]
 NAMES = [
     "pytorch_baseline",
     "hf_assisted",
@@ -74,3 +77,35 @@ def test_per_token_latency_spreads_a_block_over_its_tokens():
     # first token at 1.0 s; then a block of 3 at 1.6 s; then a single token at 1.8 s
     got = per_token_latencies([1.0, 1.6, 1.6, 1.6, 1.8], ttft=1.0)
     assert got == pytest.approx([0.2, 0.2, 0.2, 0.2])
+
+
+def test_spec_bench_prompts_by_category(tmp_path):
+    """Spec-Bench's question.jsonl: the first turn becomes a chat message; --categories and
+    --per-category pick a subset."""
+    lines = [
+        {"question_id": i, "category": cat, "turns": [f"{cat} question {i}", "a second turn"]}
+        for i, cat in enumerate(["writing", "rag", "rag", "summarization", "rag"])
+    ]
+    path = tmp_path / "question.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in lines))
+    prompts = load_prompts([path], categories=["rag", "summarization"], per_category=2)
+    assert [p["category"] for p in prompts] == ["rag", "rag", "summarization"]
+    assert prompts[0]["messages"] == [{"role": "user", "content": "rag question 1"}]
+    assert {p["category"] for p in load_prompts(PROMPT_FILES)} == {"code", "chat"}
+
+
+def test_bench_reports_lookup_rows_per_category(bundles, tmp_path):
+    prompts = [
+        {**p, "category": cat}
+        for p, cat in zip(load_prompts(PROMPT_FILES)[:2], ["edit", "rag"], strict=True)
+    ]
+    only = ["specrt_target_only", "specrt_ngram", "specrt_hybrid"]
+    result = run_bench(bundles["llama"], prompts, max_new_tokens=6, only=only, log=lambda _: None)
+    rows = {row["name"]: row for row in result["configs"]}
+    assert list(rows) == only
+    for row in rows.values():
+        assert row["identical_to_target_alone"]
+        assert set(row["categories"]) == {"edit", "rag"}
+        assert all(c["speedup_vs_target_alone"] > 0 for c in row["categories"].values())
+    assert rows["specrt_target_only"]["speedup_vs_target_alone"] == 1.0
+    assert "Per category" in write_report(result, tmp_path, "cat")[1].read_text()

@@ -4,8 +4,9 @@ Real ONNX Runtime engines run tiny models over an 8-token vocabulary, so the exa
 of the next 4 tokens (8^4 sequences) is computable from the target alone. 20,000 seeded samples
 through the speculative loop (the first token from the prefill, then rounds of up to K = 2
 drafts, so acceptance, residual and bonus draws all occur) must fit it, for a good draft and a
-bad one, under temperature, top-k and top-p. The same test must fail when the residual rule is
-broken, or it would prove nothing.
+bad one, under temperature, top-k and top-p, and for lookup (n-gram) drafts, which are point
+masses. The same test must fail when the residual rule is broken, or when a lookup draft is
+taken for certain, or it would prove nothing.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ import pytest
 from scipy.stats import chisquare
 
 import specrt.runtime.acceptance as acceptance
+import specrt.runtime.speculative as speculative
 from specrt.engines.onnxruntime import OrtEngine
 from specrt.exporter.graph import write_graph
 from specrt.exporter.tiny import make_tiny_pair
 from specrt.runtime.controller import Adaptive, Fixed
+from specrt.runtime.drafters import ModelDrafter, NgramDrafter
 from specrt.runtime.sampling import SamplingParams, probabilities
 from specrt.runtime.speculative import LoopStats, Request, speculate
 
@@ -78,7 +81,7 @@ def exact_distribution(target: OrtEngine, params: SamplingParams) -> np.ndarray:
     return joint.ravel()
 
 
-def sample_counts(draft, target, params, controller_factory, seed=0):
+def sample_counts(drafter, target, params, controller_factory, seed=0):
     """Histogram of SAMPLES speculative 4-token outputs, and the draft's acceptance rate."""
     rng = np.random.default_rng(seed)
     counts = np.zeros(VOCAB**NEW)
@@ -86,7 +89,7 @@ def sample_counts(draft, target, params, controller_factory, seed=0):
     stats = LoopStats()
     for _ in range(SAMPLES):
         request = Request(PROMPT, params, NEW, rng)
-        blocks = speculate(draft, target, request, controller_factory(), stats)
+        blocks = speculate(drafter, target, request, controller_factory(), stats)
         counts[int(np.dot([t for block in blocks for t in block], weights))] += 1
     return counts, stats.accepted / stats.drafted
 
@@ -108,7 +111,7 @@ def test_speculative_sampling_matches_the_target(engines, draft, setting):
     params = PARAMS[setting]
     exact = exact_distribution(engines["target"], params)
     counts, acceptance_rate = sample_counts(
-        engines[draft], engines["target"], params, lambda: Fixed(2)
+        ModelDrafter(engines[draft]), engines["target"], params, lambda: Fixed(2)
     )
     assert chi_square_p(counts, exact) > 1e-3
     # Both regimes really occur: a good draft is mostly accepted, a bad one mostly rejected.
@@ -120,7 +123,10 @@ def test_adaptive_early_stopping_stays_lossless(engines):
     params = PARAMS["temperature"]
     exact = exact_distribution(engines["target"], params)
     counts, _ = sample_counts(
-        engines["good"], engines["target"], params, lambda: Adaptive(confidence_threshold=0.5)
+        ModelDrafter(engines["good"]),
+        engines["target"],
+        params,
+        lambda: Adaptive(confidence_threshold=0.5),
     )
     assert chi_square_p(counts, exact) > 1e-3
 
@@ -130,5 +136,38 @@ def test_the_test_catches_a_broken_residual(engines, monkeypatch):
     monkeypatch.setattr(acceptance, "residual", lambda p, q: p)
     params = PARAMS["temperature"]
     exact = exact_distribution(engines["target"], params)
-    counts, _ = sample_counts(engines["bad"], engines["target"], params, lambda: Fixed(2))
+    counts, _ = sample_counts(
+        ModelDrafter(engines["bad"]), engines["target"], params, lambda: Fixed(2)
+    )
+    assert chi_square_p(counts, exact) < 1e-6
+
+
+@pytest.mark.parametrize("setting", ["temperature", "top_p"])
+def test_lookup_drafts_are_point_masses_and_stay_lossless(engines, setting):
+    """An n-gram draft is q = one-hot(x): accepted with probability p(x), and on rejection the
+    next token comes from p without x. Over 8 tokens, 1-grams match nearly every round."""
+    params = PARAMS[setting]
+    exact = exact_distribution(engines["target"], params)
+    counts, acceptance_rate = sample_counts(
+        NgramDrafter(min_n=1, max_n=2), engines["target"], params, lambda: Fixed(2)
+    )
+    assert chi_square_p(counts, exact) > 1e-3
+    assert 0.05 < acceptance_rate < 0.95  # both acceptance and rejection really occur
+
+
+def test_the_test_catches_a_point_mass_taken_for_certain(engines, monkeypatch):
+    """Control: accepting a lookup draft outright (as if p(x) were 1) skews the output."""
+    real = acceptance.verify_sampled
+
+    def accept_lookups(drafts, draft_probs, logits, params, rng):
+        if drafts and all(q is None for q in draft_probs):
+            return len(drafts), real([], [], logits[len(drafts) :], params, rng)[1]
+        return real(drafts, draft_probs, logits, params, rng)
+
+    monkeypatch.setattr(speculative, "verify_sampled", accept_lookups)
+    params = PARAMS["temperature"]
+    exact = exact_distribution(engines["target"], params)
+    counts, _ = sample_counts(
+        NgramDrafter(min_n=1, max_n=2), engines["target"], params, lambda: Fixed(2)
+    )
     assert chi_square_p(counts, exact) < 1e-6

@@ -185,6 +185,16 @@ def test_speculation_stats_and_off(server, reference):
     )
     assert bounded.speculation["ks"][0] == max(bounded.speculation["ks"]) == 2
     assert bounded.choices[0].text == off.choices[0].text
+    for drafter in ("ngram", "hybrid", "model"):
+        got = api.completions.create(
+            model="tiny",
+            prompt=PROMPTS[0],
+            max_tokens=30,
+            extra_body={"speculation": {"drafter": drafter}, "ignore_eos": True},
+            **GREEDY,
+        )
+        assert got.speculation["drafter"] == drafter
+        assert got.choices[0].text == off.choices[0].text
 
 
 def test_specrt_generate_gives_the_same_text(server, bundle):
@@ -242,6 +252,9 @@ BAD_REQUESTS = [  # (endpoint, body, param, code or None, words of the message)
     ("completions", {"prompt": "x", "speculation": "fixed:9"}, "speculation", None, "K_max"),
     ("completions", {"prompt": "x", "speculation": "turbo"}, "speculation", None, "unknown"),
     ("completions", {"prompt": "x", "speculative.n_min": 9}, "speculation", None, "lowest K"),
+    ("completions", {"prompt": "x", "speculation": {"drafter": "psychic"}},
+     "speculation.drafter", None, "unknown drafter"),
+    ("completions", {"prompt": "x", "speculation": {"k": 3}}, "speculation", None, ""),
     ("completions", {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty", None, "not"),
     ("completions", {"prompt": ["a", "b"]}, "prompt", None, "one prompt per request"),
     ("chat/completions", {"messages": []}, "messages", None, "at least 1"),

@@ -68,17 +68,36 @@ class Row:
     exact_against: str | None = None  # the target-alone row this row must reproduce
     first_divergence: list[int | None] = field(default_factory=list)
     rss_mb: float = 0.0  # resident memory after the row, with its engines loaded
+    speedup_vs_target_alone: float | None = None  # against its own bundle's target alone
+    categories: dict[str, dict] = field(default_factory=dict)  # per prompt category
 
 
-def load_prompts(paths: Sequence[Path]) -> list[dict]:
-    """JSONL files; each line has "prompt" (plain text) or "messages" (chat)."""
-    prompts = []
+def load_prompts(
+    paths: Sequence[Path],
+    categories: Sequence[str] | None = None,
+    per_category: int | None = None,
+) -> list[dict]:
+    """JSONL files; each line has "prompt" (plain text), "messages" (chat), or Spec-Bench's
+    "turns" (its first turn becomes a user message, through the chat template, as Spec-Bench
+    runs it) with its "category". Lines without a category take their file's name. categories
+    keeps only those; per_category keeps the first N of each, so a run fits in an hour here."""
+    prompts, taken = [], {}
     for path in paths:
         for line in Path(path).read_text().splitlines():
-            if line.strip():
-                item = json.loads(line)
-                item.setdefault("set", Path(path).stem)
-                prompts.append(item)
+            if not line.strip():
+                continue
+            item = json.loads(line)
+            if "turns" in item:
+                item = {"messages": [{"role": "user", "content": item["turns"][0]}], **item}
+            item.setdefault("set", Path(path).stem)
+            item.setdefault("category", item["set"])
+            category = item["category"]
+            if categories and category not in categories:
+                continue
+            if per_category is not None and taken.get(category, 0) >= per_category:
+                continue
+            taken[category] = taken.get(category, 0) + 1
+            prompts.append(item)
     return prompts
 
 
@@ -217,16 +236,41 @@ def measure(name: str, runner, prompt_ids: list[list[int]], repeat: int, log: Lo
                 f"  {name:22} prompt {i + 1}/{len(prompt_ids)}  "
                 f"{len(run.token_ids) / run.seconds:6.2f} tok/s"
             )
-    return summarize(name, runs), outputs
+    return summarize(name, runs), outputs, runs
 
 
-def specrt_configs(ks: Sequence[int] = FIXED_KS, suffix: str = "") -> list[tuple[str, dict]]:
+def by_category(runs: list[Run], categories: list[str], repeat: int) -> dict[str, dict]:
+    """Tokens/s and tokens per target call for each category's runs (Spec-Bench's columns)."""
+    grouped: dict[str, list[Run]] = {}
+    for i, run in enumerate(runs):
+        grouped.setdefault(categories[i // repeat], []).append(run)
+    out = {}
+    for category, group in grouped.items():
+        row = summarize(category, group)
+        out[category] = {
+            "prompts": len(group) // repeat,
+            "tokens_per_s": row.tokens_per_s,
+            "tokens_per_target_call": row.tokens_per_target_call,
+        }
+    return out
+
+
+def specrt_configs(
+    ks: Sequence[int] = FIXED_KS, suffix: str = "", has_draft: bool = True
+) -> list[tuple[str, dict]]:
+    """Target alone, then the draft model's rows (fixed K, heuristic, adaptive) where there is
+    one, then the lookup's: n-gram alone and hybrid (n-gram when it matches, else the model),
+    both under the adaptive policy."""
     configs = [(TARGET_ALONE, {"speculate": False})]
-    configs += [(f"specrt_fixed_{k}", {"controller": f"fixed:{k}"}) for k in ks]
-    configs += [
-        ("specrt_heuristic", {"controller": "heuristic"}),
-        ("specrt_adaptive", {"controller": "adaptive"}),
-    ]
+    if has_draft:
+        configs += [(f"specrt_fixed_{k}", {"controller": f"fixed:{k}"}) for k in ks]
+        configs += [
+            ("specrt_heuristic", {"controller": "heuristic"}),
+            ("specrt_adaptive", {"controller": "adaptive", "drafter": "model"}),
+        ]
+    configs.append(("specrt_ngram", {"controller": "adaptive", "drafter": "ngram"}))
+    if has_draft:
+        configs.append(("specrt_hybrid", {"controller": "adaptive", "drafter": "hybrid"}))
     return [(name + suffix, options) for name, options in configs]
 
 
@@ -258,10 +302,13 @@ def run_bench(
     wanted = (lambda name: name in only) if only else (lambda name: True)
     rows, outputs, notes, costs = [], {}, [], {}
 
+    categories = [p["category"] for p in prompts]
+
     def record(name, runner, exact_against=None):
         log(f"{name}:")
-        row, outs = measure(name, runner, prompt_ids, repeat, log)
+        row, outs, runs = measure(name, runner, prompt_ids, repeat, log)
         row.exact_against, row.rss_mb = exact_against, current_rss_mb()
+        row.categories = by_category(runs, categories, repeat)
         rows.append(row)
         outputs[name] = outs
 
@@ -281,7 +328,8 @@ def run_bench(
     for bundle in bundles:
         label = bundle.precision_label
         suffix = "" if label == "d-fp32_t-fp32" else f"_{label}"
-        configs = [(n, o) for n, o in specrt_configs(bundle_ks(bundle), suffix) if wanted(n)]
+        every = specrt_configs(bundle_ks(bundle), suffix, bundle.has_draft)
+        configs = [(n, o) for n, o in every if wanted(n)]
         if not configs:
             continue
         rt = SpeculativeRuntime.load(bundle.path, threads=threads, calibrate=False)
@@ -302,6 +350,7 @@ def run_bench(
             "prompts": len(prompts),
             "precisions": [b.precision_label for b in bundles],
             "prompt_sets": sorted({p["set"] for p in prompts}),
+            "categories": sorted(set(categories)),
         },
         "configs": [asdict(r) for r in rows],
         "costs": costs,
@@ -320,10 +369,10 @@ def cost_report(rt: SpeculativeRuntime) -> dict:
     curve, draft = rt.costs.curve(), rt.costs.draft_step
     one = curve[1]
     return {
-        "draft_step_ms": 1000 * draft,
+        "draft_step_ms": None if draft is None else 1000 * draft,  # None: no draft model
         "verify_ms": {n: 1000 * t for n, t in curve.items()},
         "verify_ratio": {n: t / one for n, t in curve.items()},
-        "draft_over_verify": draft / one,
+        "draft_over_verify": None if draft is None else draft / one,
     }
 
 
@@ -351,7 +400,7 @@ def _torch_rows(bundle: Bundle, max_new_tokens, threads, wanted, record) -> None
     target = TorchEngine.from_bundle(bundle, "target", threads=threads).model
     if wanted("pytorch_baseline"):
         record("pytorch_baseline", hf_runner(target, max_new_tokens))
-    if wanted("hf_assisted"):
+    if wanted("hf_assisted") and bundle.has_draft:
         draft = TorchEngine.from_bundle(bundle, "draft", threads=threads).model
         record("hf_assisted", hf_runner(target, max_new_tokens, assistant=draft))
 
@@ -386,6 +435,16 @@ def _compare(rows: list[Row], outputs: dict) -> None:
         alone = outputs.get(row.exact_against)
         if alone is not None:
             row.identical_to_target_alone = mine == alone
+            _speedups(row, next(r for r in rows if r.name == row.exact_against))
+
+
+def _speedups(row: Row, alone: Row) -> None:
+    """Against the target alone of the same bundle: overall and per category."""
+    row.speedup_vs_target_alone = row.tokens_per_s / alone.tokens_per_s
+    for category, cell in row.categories.items():
+        cell["speedup_vs_target_alone"] = (
+            cell["tokens_per_s"] / alone.categories[category]["tokens_per_s"]
+        )
 
 
 def machine_info(threads: int | None) -> dict:
@@ -415,12 +474,19 @@ def machine_info(threads: int | None) -> dict:
     }
 
 
-def write_report(result: dict, out: Path, stem: str) -> list[Path]:
-    """JSON, a Markdown table and a PNG chart; returns the paths written."""
+def write_report(result: dict, out: Path, stem: str, log: Log = print) -> list[Path]:
+    """JSON, a Markdown table and a PNG chart (without matplotlib, the bench extra, the chart
+    is skipped with a line saying so); returns the paths written."""
     out.mkdir(parents=True, exist_ok=True)
-    paths = [out / f"{stem}.json", out / f"{stem}.md", out / f"{stem}.png"]
+    paths = [out / f"{stem}.json", out / f"{stem}.md"]
     write_json_atomic(paths[0], result)
     paths[1].write_text(markdown(result))
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        log("chart skipped: matplotlib is not installed (pip install 'specrt[bench]')")
+        return paths
+    paths.append(out / f"{stem}.png")
     chart(result, paths[2])
     return paths
 
@@ -439,9 +505,9 @@ def markdown(result: dict) -> str:
         f"tokens, greedy, repeat {s['repeat']}; bundles {', '.join(_precisions(result))}; "
         f"peak RSS {result.get('peak_rss_mb', 0):.0f} MB.",
         "",
-        "| configuration | tokens/s | vs PyTorch | TTFT ms | p50 ms/tok | p99 ms/tok "
-        "| tokens/target call | acceptance | = baseline | = target alone | RSS MB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| configuration | tokens/s | vs PyTorch | vs target alone | TTFT ms | p50 ms/tok "
+        "| p99 ms/tok | tokens/target call | acceptance | = baseline | = target alone | RSS MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["configs"]:
         same = _fmt(r["identical_to_baseline"], "")
@@ -449,15 +515,39 @@ def markdown(result: dict) -> str:
             same = f"no ({r['mismatches_vs_baseline']} differ)"
         lines.append(
             f"| {r['name']} | {r['tokens_per_s']:.2f} | {_fmt(r['speedup_vs_pytorch'], '.2f')}× "
-            f"| {r['ttft_ms']:.0f} | {r['latency_p50_ms']:.0f} | {r['latency_p99_ms']:.0f} "
+            f"| {_fmt(r.get('speedup_vs_target_alone'), '.2f')}× | {r['ttft_ms']:.0f} "
+            f"| {r['latency_p50_ms']:.0f} | {r['latency_p99_ms']:.0f} "
             f"| {_fmt(r['tokens_per_target_call'], '.2f')} | {_fmt(r['acceptance_rate'], '.0%')} "
             f"| {same} | {_fmt(r['identical_to_target_alone'], '')} "
             f"| {r.get('rss_mb', 0):.0f} |"
         )
     lines += ["", '"= target alone" compares with the target-alone row of the same bundle.']
+    lines += _category_lines(result["configs"])
     lines += _cost_lines(result.get("costs", {}))
     lines += ["", *[f"- {note}" for note in result["notes"]], ""]
     return "\n".join(lines)
+
+
+def _category_lines(rows: list[dict]) -> list[str]:
+    """Spec-Bench's view: per category, speedup over the target alone (tokens per target call)."""
+    names = sorted({c for r in rows for c in r.get("categories", {})})
+    if len(names) < 2:
+        return []
+    lines = [
+        "",
+        "Per category: speedup over the same bundle's target alone (tokens per target call):",
+        "",
+        "| configuration | " + " | ".join(names) + " |",
+        "|---|" + "---|" * len(names),
+    ]
+    for r in rows:
+        cells = []
+        for name in names:
+            cell = r.get("categories", {}).get(name, {})
+            speed = _fmt(cell.get("speedup_vs_target_alone"), ".2f")
+            cells.append(f"{speed}× ({_fmt(cell.get('tokens_per_target_call'), '.2f')})")
+        lines.append(f"| {r['name']} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _precisions(result: dict) -> list[str]:
@@ -480,7 +570,7 @@ def _cost_lines(costs: dict) -> list[str]:
         ratios = {int(n): v for n, v in c["verify_ratio"].items()}
         cells = " | ".join(_fmt(ratios.get(n), ".2f") for n in counts)
         one = c["verify_ms"].get("1", c["verify_ms"].get(1))
-        lines.append(f"| {label} | {c['draft_step_ms']:.1f} | {one:.1f} | {cells} |")
+        lines.append(f"| {label} | {_fmt(c['draft_step_ms'], '.1f')} | {one:.1f} | {cells} |")
     return lines
 
 

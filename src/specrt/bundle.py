@@ -73,9 +73,20 @@ class Bundle:
         return Role(name, self.path / name, self.manifest["roles"][name])
 
     @property
+    def has_draft(self) -> bool:
+        """False for a target-only bundle, which speculates by lookup (n-gram) alone."""
+        return "draft" in self.manifest["roles"]
+
+    @property
+    def roles(self) -> list[str]:
+        return [r for r in ROLES if r in self.manifest["roles"]]
+
+    @property
     def precision_label(self) -> str:
-        """e.g. d-int4_t-fp32: what each role runs at, as bench rows are named."""
-        return f"d-{self.role('draft').precision}_t-{self.role('target').precision}"
+        """e.g. d-int4_t-fp32 (or t-fp32 without a draft): what each role runs at, as bench
+        rows are named."""
+        target = f"t-{self.role('target').precision}"
+        return f"d-{self.role('draft').precision}_{target}" if self.has_draft else target
 
     @classmethod
     def load(cls, path: str | Path, *, full_check: bool = False) -> Bundle:
@@ -103,14 +114,15 @@ def read_manifest(folder: Path) -> dict:
             f"{file}: bundle format version {version!r} is not supported by this specrt "
             f"(it reads version {FORMAT_VERSION}); rebuild the bundle or upgrade specrt"
         )
-    missing = [r for r in ROLES if r not in manifest.get("roles", {})]
-    if missing:
-        raise BundleError(f"{file}: manifest has no entry for role(s) {', '.join(missing)}")
+    if "target" not in manifest.get("roles", {}):
+        raise BundleError(f"{file}: manifest has no entry for the target")
     return manifest
 
 
 def check_pair(manifest: dict) -> None:
     """The draft must speak the target's vocabulary, or its proposals mean other words."""
+    if "draft" not in manifest["roles"]:
+        return
     draft, target = manifest["roles"]["draft"], manifest["roles"]["target"]
     dv, tv = draft["shape"]["vocab_size"], target["shape"]["vocab_size"]
     if dv != tv:
@@ -129,7 +141,7 @@ def check_files(folder: Path, manifest: dict, *, full: bool) -> None:
     manifest_hash = sha256_file(folder / MANIFEST)
     stamp = {} if full else _read_stamp(folder, manifest_hash)
     seen = {}
-    for role in ROLES:
+    for role in manifest["roles"]:
         for rel, expected in manifest["roles"][role]["files"].items():
             path = folder / role / rel
             name = f"{role}/{rel}"

@@ -15,6 +15,7 @@ import click
 from specrt.engines import BACKENDS
 from specrt.errors import SpecrtError
 from specrt.files import specrt_home
+from specrt.runtime.drafters import DRAFTERS
 
 
 class _Group(click.Group):
@@ -36,11 +37,21 @@ def cli() -> None:
 
 
 @cli.command()
-@click.option("--draft", required=True, help="Draft model: HF folder, hub id or .gguf file.")
+@click.option(
+    "--draft",
+    default=None,
+    help="Draft model: HF folder, hub id or .gguf file. Without one, the bundle speculates by "
+    "lookup (n-gram) alone.",
+)
 @click.option("--target", required=True, help="Target model: HF folder, hub id or .gguf file.")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Bundle folder.")
 @click.option("--max-draft", default=8, show_default=True, help="K_max: most drafts per round.")
-@click.option("--max-context", default=2048, show_default=True, help="KV cache positions.")
+@click.option(
+    "--max-context",
+    type=int,
+    default=None,
+    help="KV cache positions [default: the smaller of 2048 and the models' own limit].",
+)
 @click.option("--force", is_flag=True, help="Replace an existing bundle.")
 @click.option(
     "--draft-precision",
@@ -87,11 +98,11 @@ def cli() -> None:
     help="Build TensorRT engines that later TensorRT versions' lean runtime can load.",
 )
 def build(
-    draft: str,
+    draft: str | None,
     target: str,
     out: Path,
     max_draft: int,
-    max_context: int,
+    max_context: int | None,
     force: bool,
     draft_precision: str,
     target_precision: str,
@@ -169,7 +180,7 @@ def inspect(bundle: Path, as_json: bool):
     )
     click.echo(header)
     files = 0
-    for name in ("draft", "target"):
+    for name in loaded.roles:
         info = m["roles"][name]
         s, check = info["shape"], info["export_check"]
         click.echo(
@@ -187,7 +198,7 @@ def precision_lines(bundle) -> list[str]:
     target = bundle.role("target").precision
     exact = "the float32 target" if target == "fp32" else f"the {target} target, not float32"
     lines = []
-    for name in ("draft", "target"):
+    for name in bundle.roles:
         role = bundle.role(name)
         info = role.info.get("precision", {"weights": "fp32"})
         how = ""
@@ -200,10 +211,12 @@ def precision_lines(bundle) -> list[str]:
                 f"; vs float32: max |dlogit| {check['max_abs_logit_diff_vs_float32']:.2e}, "
                 f"argmax agreement {check['argmax_agreement_vs_float32']:.0%} on random tokens"
             )
-        label = "precision" if name == "draft" else ""
+        label = "precision" if name == bundle.roles[0] else ""
         lines.append(f"{label:12} {name} {role.precision}{how}")
     lines.append(
         f"{'':12} outputs are exact against {exact}; the draft's precision only moves acceptance"
+        if bundle.has_draft
+        else f"{'':12} no draft model: lookup (n-gram) drafts; outputs exact against {exact}"
     )
     return lines
 
@@ -220,6 +233,13 @@ def precision_lines(bundle) -> list[str]:
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option(
     "--controller", default="adaptive", show_default=True, help="fixed:K | heuristic | adaptive"
+)
+@click.option(
+    "--drafter",
+    type=click.Choice(DRAFTERS),
+    default=None,
+    help="Who drafts: the draft model, a lookup in the context (ngram), or both (hybrid) "
+    "[default: model, or ngram for a bundle without a draft model].",
 )
 @click.option("--no-speculation", is_flag=True, help="Run the target alone (same engine).")
 @click.option(
@@ -244,6 +264,7 @@ def generate(
     seed,
     stop,
     controller,
+    drafter,
     no_speculation,
     backend,
     threads,
@@ -255,7 +276,7 @@ def generate(
     from specrt.runtime import SpeculativeRuntime
 
     runtime = SpeculativeRuntime.load(
-        bundle, backend=backend, controller=controller, threads=threads
+        bundle, backend=backend, controller=controller, drafter=drafter, threads=threads
     )
     request = [{"role": "user", "content": prompt}] if chat else prompt
     generation = runtime.stream(
@@ -297,7 +318,7 @@ def format_stats(s, finish_reason: str) -> str:
         f"rounds {s.rounds}, drafted {s.drafted}, accepted {s.accepted} "
         f"({s.acceptance_rate:.0%}), {s.tokens_per_target_call:.2f} tokens per target call\n"
         f"draft {s.draft_seconds:.2f}s, verify {s.verify_seconds:.2f}s, "
-        f"prefill {s.prefill_seconds:.2f}s, controller {s.controller}"
+        f"prefill {s.prefill_seconds:.2f}s, controller {s.controller}, drafter {s.drafter}"
     )
 
 
@@ -310,89 +331,13 @@ def format_stats(s, finish_reason: str) -> str:
 @click.option("--max-new-tokens", type=int, default=None, help="Default: the demo config's.")
 def demo(tiny: bool, max_new_tokens: int | None):
     """Pull, build (once, cached) and run a draft/target pair, with and without speculation."""
-    config = _demo_config()
-    bundle = _tiny_bundle() if tiny else _real_bundle(config)
+    from specrt.demo import demo_config, real_bundle, run_comparison, tiny_bundle
+
+    config = demo_config()
+    bundle = tiny_bundle(_log) if tiny else real_bundle(config, _log)
     prompt = "def fibonacci(n):" if tiny else config["prompt"]
     chat = not tiny and config.get("chat", False)
-    run_comparison(bundle, prompt, max_new_tokens or config["max_new_tokens"], chat=chat)
-
-
-def _demo_config() -> dict:
-    from importlib import resources
-
-    import yaml
-
-    return yaml.safe_load(resources.files("specrt.configs").joinpath("demo.yaml").read_text())
-
-
-def _cached_bundle(path: Path) -> bool:
-    from specrt.bundle import Bundle
-    from specrt.errors import BundleError
-
-    try:
-        Bundle.load(path)
-    except BundleError:
-        return False
-    _log(f"reusing cached bundle {path}")
-    return True
-
-
-def _tiny_bundle() -> Path:
-    home = specrt_home() / "tiny"
-    bundle = home / "bundle"
-    if not _cached_bundle(bundle):
-        from specrt.exporter.build import build_bundle
-        from specrt.exporter.tiny import make_tiny_pair
-
-        _log(f"building a tiny llama pair under {home}")
-        draft, target = make_tiny_pair(home / "models", "llama")
-        build_bundle(str(draft), str(target), bundle, max_context=512, force=True, log=_log)
-    return bundle
-
-
-def _real_bundle(config: dict) -> Path:
-    from specrt.models import lookup, pull
-
-    paths = {role: pull(lookup(config[role]), log=_log) for role in ("draft", "target")}
-    draft_precision = config.get("draft_precision", "fp32")
-    name = f"{config['draft']}-{draft_precision}__{config['target']}"
-    bundle = specrt_home() / "bundles" / name
-    if not _cached_bundle(bundle):
-        from specrt.exporter.build import build_bundle
-        from specrt.exporter.precision import Precision
-
-        build_bundle(
-            str(paths["draft"]),
-            str(paths["target"]),
-            bundle,
-            max_draft=config["max_draft"],
-            max_context=config["max_context"],
-            precision={"draft": Precision(draft_precision)},
-            force=True,
-            log=_log,
-        )
-    return bundle
-
-
-def run_comparison(bundle: Path, prompt: str, max_new_tokens: int, *, chat: bool = False) -> None:
-    from specrt.runtime import SpeculativeRuntime
-
-    runtime = SpeculativeRuntime.load(bundle)
-    request = [{"role": "user", "content": prompt}] if chat else prompt
-    _log(f"prompt: {prompt!r}")
-    runtime.generate(request, max_new_tokens=4)  # warm-up: first runs allocate
-    alone = runtime.generate(request, max_new_tokens=max_new_tokens, speculate=False)
-    spec = runtime.generate(request, max_new_tokens=max_new_tokens)
-    for label, result in (("target alone", alone), ("speculative", spec)):
-        click.echo(f"--- {label}: {result.stats.tokens_per_second:.1f} tok/s")
-        click.echo(result.text)
-    same = "identical" if alone.token_ids == spec.token_ids else "DIFFERENT (a bug: report it)"
-    speedup = spec.stats.tokens_per_second / max(alone.stats.tokens_per_second, 1e-9)
-    click.echo(
-        f"--- outputs {same}; acceptance {spec.stats.acceptance_rate:.0%}, "
-        f"{spec.stats.tokens_per_target_call:.2f} tokens per target call, "
-        f"speedup {speedup:.2f}x"
-    )
+    run_comparison(bundle, prompt, max_new_tokens or config["max_new_tokens"], chat=chat, log=_log)
 
 
 @cli.command()
@@ -402,8 +347,11 @@ def run_comparison(bundle: Path, prompt: str, max_new_tokens: int, *, chat: bool
     "prompt_files",
     multiple=True,
     type=click.Path(path_type=Path),
-    help="JSONL prompt set (repeatable). Default: benchmarks/prompts/*.jsonl.",
+    help="JSONL prompt set (repeatable), Spec-Bench's question.jsonl too. "
+    "Default: benchmarks/prompts/*.jsonl.",
 )
+@click.option("--categories", default=None, help="Comma-separated prompt categories to run.")
+@click.option("--per-category", type=int, default=None, help="At most N prompts per category.")
 @click.option("--max-new-tokens", default=128, show_default=True)
 @click.option("--repeat", default=1, show_default=True, help="Runs per prompt.")
 @click.option("--only", default=None, help="Comma-separated configuration names to run.")
@@ -419,7 +367,19 @@ def run_comparison(bundle: Path, prompt: str, max_new_tokens: int, *, chat: bool
     help="[LABEL=]DIR: an ONNX Runtime GenAI build of the same target; adds the row ort_genai "
     "(or ort_genai_LABEL, e.g. int4=DIR). Repeatable.",
 )
-def bench(bundles, prompt_files, max_new_tokens, repeat, only, threads, out, name, genai_models):
+def bench(
+    bundles,
+    prompt_files,
+    categories,
+    per_category,
+    max_new_tokens,
+    repeat,
+    only,
+    threads,
+    out,
+    name,
+    genai_models,
+):
     """Benchmark every configuration side by side: JSON, Markdown table and PNG chart.
 
     Several BUNDLES (e.g. one per precision combination) share one run: the baselines run once,
@@ -434,9 +394,12 @@ def bench(bundles, prompt_files, max_new_tokens, repeat, only, threads, out, nam
     for item in genai_models:
         label, _, folder = item.rpartition("=")
         genai[label] = Path(folder)
+    prompts = load_prompts(files, categories.split(",") if categories else None, per_category)
+    if not prompts:
+        raise SpecrtError("no prompts left: check --categories against the prompt files")
     result = run_bench(
         bundles,
-        load_prompts(files),
+        prompts,
         max_new_tokens=max_new_tokens,
         repeat=repeat,
         only=only.split(",") if only else None,
@@ -444,7 +407,7 @@ def bench(bundles, prompt_files, max_new_tokens, repeat, only, threads, out, nam
         genai_models=genai,
         log=_log,
     )
-    for path in write_report(result, out, name or Path(bundles[0]).resolve().name):
+    for path in write_report(result, out, name or Path(bundles[0]).resolve().name, log=_log):
         _log(f"wrote {path}")
     click.echo(markdown(result))
 
@@ -467,6 +430,12 @@ def bench(bundles, prompt_files, max_new_tokens, repeat, only, threads, out, nam
     help="Default speculation: off | fixed:K | heuristic | adaptive.",
 )
 @click.option(
+    "--drafter",
+    type=click.Choice(DRAFTERS),
+    default=None,
+    help="Default drafter [default: model, or ngram for a bundle without a draft model].",
+)
+@click.option(
     "--api-key", envvar="SPECRT_API_KEY", default=None, help="Require 'Authorization: Bearer KEY'."
 )
 @click.option(
@@ -482,6 +451,7 @@ def serve(
     max_queue,
     timeout,
     controller,
+    drafter,
     api_key,
     model_name,
     backend,
@@ -502,8 +472,12 @@ def serve(
     loaded = Bundle.load(bundle)  # a missing or damaged bundle fails here, not after start-up
     if controller != "off":
         make_controller(controller, loaded.max_draft)
-    if max_queue < 0:
-        raise SpecrtError(f"--max-queue must be >= 0, got {max_queue}")
+    if drafter in ("model", "hybrid") and not loaded.has_draft:
+        raise SpecrtError(f"--drafter {drafter} needs a draft model; {bundle} has none")
+    if max_queue < 1:
+        raise SpecrtError(
+            f"--max-queue must be >= 1 (the running request waits there), got {max_queue}"
+        )
     settings = ServeSettings(
         bundle=bundle,
         host=host,
@@ -511,6 +485,7 @@ def serve(
         max_queue=max_queue,
         timeout=timeout or None,
         controller=controller,
+        drafter=drafter,
         api_key=api_key or None,
         model_name=model_name,
         backend=backend,

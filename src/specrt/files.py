@@ -60,12 +60,17 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
 
 @contextlib.contextmanager
 def atomic_dir(out: Path, *, force: bool = False) -> Iterator[Path]:
-    """Yield a temp folder beside `out`; on success it replaces `out`, on failure it vanishes."""
+    """Yield a temp folder beside `out`; on success it replaces `out`, on failure it vanishes.
+
+    A process killed outright (SIGKILL, power loss) cannot clean up, so its temp folder names
+    its process id, and the next build of the same `out` removes folders whose process is gone.
+    """
     out = out.resolve()
     if out.exists() and not force:
         raise SpecrtError(f"{out} already exists; pass --force to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.building-"))
+    remove_stale(out)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.building-{os.getpid()}-"))
     os.chmod(tmp, _umask_mode(0o777))
     try:
         yield tmp
@@ -78,6 +83,27 @@ def atomic_dir(out: Path, *, force: bool = False) -> Iterator[Path]:
             os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def remove_stale(out: Path) -> list[Path]:
+    """Remove the temp folders that builds of `out` left when killed; return them."""
+    removed = []
+    for leftover in out.parent.glob(f".{out.name}.building-*"):
+        pid = leftover.name.removeprefix(f".{out.name}.building-").split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(leftover, ignore_errors=True)
+            removed.append(leftover)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive, and not ours to judge
+        return True
+    return True
 
 
 def specrt_home() -> Path:

@@ -91,6 +91,19 @@ def load_model(source: Source, dtype: str = "float32"):
     return model.eval()
 
 
+def context_limit(source: Source) -> int | None:
+    """The most positions the model was built for (max_position_embeddings), from its config
+    alone, so a build can pick its context before loading any weights."""
+    from transformers import AutoConfig
+
+    name, extra = _pretrained_args(source)
+    try:
+        config = AutoConfig.from_pretrained(name, **extra)
+    except (OSError, ValueError, ImportError) as err:
+        raise SpecrtError(f"cannot read the model config of {source.spec}: {err}") from err
+    return getattr(config, "max_position_embeddings", None)
+
+
 def load_tokenizer(source: Source):
     """The transformers fast tokenizer (it can be saved as tokenizer.json for the lean runtime)."""
     from transformers import AutoTokenizer

@@ -27,7 +27,7 @@ from specrt.exporter.precision import Precision, convert_graph
 from specrt.exporter.tensorrt import TrtOptions, build_engine, require_tensorrt
 from specrt.files import atomic_dir, hash_tree, write_json_atomic
 from specrt.profiles import Profile, plan_profiles
-from specrt.sources import Source, load_model, load_tokenizer
+from specrt.sources import Source, context_limit, load_model, load_tokenizer
 
 Log = Callable[[str], None]
 
@@ -72,13 +72,16 @@ def _versions() -> dict:
     return {"specrt": __version__, **found}
 
 
+DEFAULT_CONTEXT = 2048
+
+
 def build_bundle(
-    draft: str,
+    draft: str | None,
     target: str,
     out: str | Path,
     *,
     max_draft: int = 8,
-    max_context: int = 2048,
+    max_context: int | None = None,
     force: bool = False,
     precision: dict[str, Precision] | None = None,
     tensorrt: TrtOptions | None = None,
@@ -86,15 +89,16 @@ def build_bundle(
 ) -> Path:
     """Export, check and write a bundle atomically; return its path.
 
-    precision maps a role to its weight precision (float32 where not given); tensorrt, when
-    given, also compiles each role's graph into a TensorRT engine (and fails before any export
-    where TensorRT or a GPU is missing).
+    draft None builds a target-only bundle, which speculates by lookup (n-gram) alone.
+    max_context None takes the smaller of 2048 and every model's own limit. precision maps a
+    role to its weight precision (float32 where not given); tensorrt, when given, also compiles
+    each role's graph into a TensorRT engine (and fails before any export where TensorRT or a
+    GPU is missing).
     """
-    precision = {role: (precision or {}).get(role, Precision()) for role in ROLES}
+    roles = [r for r in ROLES if r == "target" or draft is not None]
+    precision = {role: (precision or {}).get(role, Precision()) for role in roles}
     if not 1 <= max_draft <= 64:
         raise SpecrtError(f"--max-draft must be between 1 and 64, got {max_draft}")
-    if max_context < max_draft + 2:
-        raise SpecrtError(f"--max-context {max_context} leaves no room for {max_draft} drafts")
     if tensorrt is not None:
         if any(p.weights != "fp32" for p in precision.values()):
             raise SpecrtError(
@@ -102,22 +106,28 @@ def build_bundle(
                 "(--trt-precision); leave --draft-precision and --target-precision at fp32"
             )
         require_tensorrt()
+    specs = {"draft": draft, "target": target}
+    sources = {role: Source.parse(specs[role]) for role in roles}
+    if max_context is None:
+        limits = [n for n in map(context_limit, sources.values()) if n]
+        max_context = min([DEFAULT_CONTEXT, *limits])
+    if max_context < max_draft + 2:
+        raise SpecrtError(f"--max-context {max_context} leaves no room for {max_draft} drafts")
     plan = _Plan(max_context, plan_profiles(max_context, max_draft), tensorrt, log)
-    sources = {"draft": Source.parse(draft), "target": Source.parse(target)}
     tokenizers = {role: load_tokenizer(src) for role, src in sources.items()}
     digests = {role: vocabulary_digest(tok) for role, tok in tokenizers.items()}
-    if digests["draft"] != digests["target"]:
+    if draft is not None and digests["draft"] != digests["target"]:
         raise SpecrtError(
             f"draft and target tokenizers differ ({len(tokenizers['draft'])} vs "
             f"{len(tokenizers['target'])} tokens, or different ids): speculation needs one "
             "shared vocabulary"
         )
     out = Path(out)
-    roles: dict[str, dict] = {}
+    entries: dict[str, dict] = {}
     eos: dict[str, list[int]] = {}
     with atomic_dir(out, force=force) as tmp:
-        for role in ROLES:
-            roles[role], eos[role] = _export_role(
+        for role in roles:
+            entries[role], eos[role] = _export_role(
                 role,
                 sources[role],
                 tokenizers[role],
@@ -135,7 +145,7 @@ def build_bundle(
             "profiles": {p.name: p.as_dict() for p in plan.profiles},
             "eos_token_ids": eos["target"],  # the target decides when text ends
             "chat_template": tokenizers["target"].chat_template,
-            "roles": roles,
+            "roles": entries,
         }
         check_pair(manifest)
         write_json_atomic(tmp / MANIFEST, manifest)

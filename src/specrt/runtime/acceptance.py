@@ -33,18 +33,23 @@ def residual(p: np.ndarray, q: np.ndarray) -> np.ndarray:
 
 def verify_sampled(
     drafts: Sequence[int],
-    draft_probs: Sequence[np.ndarray],
+    draft_probs: Sequence[np.ndarray | None],
     target_logits: np.ndarray,
     params: SamplingParams,
     rng: np.random.Generator,
 ) -> tuple[int, int]:
     """Rejection-sample the drafts against the target; return (accepted, next token).
 
-    draft_probs[i] must be the very distribution drafts[i] was drawn from.
+    draft_probs[i] must be the very distribution drafts[i] was drawn from; None is a point mass
+    on drafts[i] (a lookup, or any deterministic proposal): accepted with probability p(x), and
+    on rejection the next token comes from p without x, renormalised.
     """
     for i, token in enumerate(drafts):
         p = probabilities(target_logits[i], params)
         q = draft_probs[i]
+        if q is None:
+            q = np.zeros_like(p)
+            q[token] = 1.0
         if rng.random() * q[token] < p[token]:  # u < p/q without dividing by q
             continue
         return i, sample(residual(p, q), rng)

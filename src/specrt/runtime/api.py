@@ -24,6 +24,7 @@ from specrt.engines.base import Engine
 from specrt.errors import SpecrtError
 from specrt.runtime.controller import make_controller
 from specrt.runtime.costs import StepCosts, measure_costs
+from specrt.runtime.drafters import Drafter, make_drafter
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.speculative import LoopStats, Request, speculate
 from specrt.runtime.stops import StopRules
@@ -54,6 +55,7 @@ class Stats(LoopStats):
     ttft_seconds: float = 0.0
     total_seconds: float = 0.0
     controller: str = ""
+    drafter: str = ""  # model, ngram, hybrid, or none (the target alone)
     token_times: list[float] = field(default_factory=list)  # seconds from start, per token
 
     @property
@@ -96,12 +98,12 @@ class Generation:
         runtime: SpeculativeRuntime,
         request: Request,
         controller,
-        speculate_: bool,
+        drafter: Drafter | None,
         stops: StopRules,
         deadline: float | None = None,
     ):
         self.runtime, self.request, self.stops = runtime, request, stops
-        self.controller, self.speculate = controller, speculate_
+        self.controller, self.drafter = controller, drafter  # drafter None: the target alone
         self.deadline = deadline  # time.monotonic() past which the generation ends ("timeout")
         self.cancelled: str | None = None
         self.result: Result | None = None
@@ -116,10 +118,13 @@ class Generation:
 
     def __iter__(self) -> Iterator[str]:
         rt, req, stops = self.runtime, self.request, self.stops
-        stats = Stats(prompt_tokens=len(req.prompt), controller=self.controller.__class__.__name__)
+        stats = Stats(
+            prompt_tokens=len(req.prompt),
+            controller=self.controller.__class__.__name__,
+            drafter=self.drafter.name if self.drafter else "none",
+        )
         start = time.perf_counter()
-        draft = rt.draft if self.speculate else None
-        rounds = speculate(draft, rt.target, req, self.controller, stats)
+        rounds = speculate(self.drafter, rt.target, req, self.controller, stats)
         for emitted in rounds:
             now = time.perf_counter() - start
             if not stops.tokens:
@@ -148,10 +153,20 @@ class Generation:
 
 class SpeculativeRuntime:
     def __init__(
-        self, bundle: Bundle, draft: Engine, target: Engine, *, controller: str = "adaptive"
+        self,
+        bundle: Bundle,
+        draft: Engine | None,
+        target: Engine,
+        *,
+        controller: str = "adaptive",
+        drafter: str | None = None,
     ):
+        """draft is None for a bundle built without a draft model; drafter is the default
+        source of drafts (`model`, `ngram` or `hybrid`; default: model where there is one)."""
         self.bundle = bundle
         self.draft, self.target = draft, target
+        self.drafter: str = drafter or ("ngram" if draft is None else "model")
+        make_drafter(self.drafter, draft)  # refuse a bad name now, not mid-request
         self.tokenizer = TextTokenizer.from_bundle(bundle)
         self.eos_token_ids = frozenset(bundle.eos_token_ids)
         self.controller = controller
@@ -171,13 +186,16 @@ class SpeculativeRuntime:
         *,
         backend: str = "onnxruntime",
         controller: str = "adaptive",
+        drafter: str | None = None,
         calibrate: bool = True,
         **engine_options,
     ) -> SpeculativeRuntime:
         bundle = Bundle.load(path)
-        draft = load_engine(bundle, "draft", backend, **engine_options)
+        draft = None
+        if bundle.has_draft:
+            draft = load_engine(bundle, "draft", backend, **engine_options)
         target = load_engine(bundle, "target", backend, **engine_options)
-        runtime = cls(bundle, draft, target, controller=controller)
+        runtime = cls(bundle, draft, target, controller=controller, drafter=drafter)
         if calibrate:
             runtime.calibrate()
         return runtime
@@ -208,6 +226,7 @@ class SpeculativeRuntime:
         stop: Sequence[str] = (),
         controller=None,
         speculate: bool = True,
+        drafter: str | None = None,
         min_draft: int | None = None,
         max_draft: int | None = None,
         load: int = 0,
@@ -218,11 +237,13 @@ class SpeculativeRuntime:
 
         Safe to call from any thread (it tokenizes and validates; no engine runs until the
         result is iterated). controller is a spec (`fixed:K`, `heuristic`, `adaptive`) or a
-        policy object of one's own; min_draft/max_draft bound the K a spec may choose (K_max
-        caps max_draft); ignore_eos generates exactly max_new_tokens (what benchmarks need);
-        load is the caller's queue depth, which caps K under the adaptive policy and is read
-        again every round (a scheduler may update `generation.request.load`); timeout, in
-        seconds from now, ends the generation after the round in flight (finish "timeout").
+        policy object of one's own; drafter is `model`, `ngram`, `hybrid` (default: the
+        runtime's) or a drafter object of one's own; speculate=False runs the target alone;
+        min_draft/max_draft bound the K a spec may choose (K_max caps max_draft); ignore_eos
+        generates exactly max_new_tokens (what benchmarks need); load is the caller's queue
+        depth, which caps K under the adaptive policy and is read again every round (a
+        scheduler may update `generation.request.load`); timeout, in seconds from now, ends
+        the generation after the round in flight (finish "timeout").
         """
         if max_new_tokens < 1:
             raise SpecrtError(
@@ -242,7 +263,8 @@ class SpeculativeRuntime:
         eos = frozenset() if ignore_eos else self.eos_token_ids
         stops = StopRules(self.tokenizer, stop, eos, max_new_tokens)
         deadline = None if timeout is None else time.monotonic() + timeout
-        return Generation(self, request, policy, speculate, stops, deadline)
+        source = make_drafter(drafter or self.drafter, self.draft) if speculate else None
+        return Generation(self, request, policy, source, stops, deadline)
 
     def generate(self, prompt: Prompt, **options) -> Result:
         generation = self.stream(prompt, **options)

@@ -26,6 +26,7 @@ class RoundContext:
     k_max: int  # the bundle's K_max, further capped by budget and context room
     position: int  # tokens in the sequence so far (prompt + emitted)
     load: int = 0  # queue depth / concurrent requests the caller reports
+    source: str = "model"  # who drafts this round: "model", "ngram", ... (see drafters)
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,12 @@ class Heuristic:
 
 @dataclass
 class Adaptive:
-    """Pick K maximising expected tokens per second from measured acceptance and costs."""
+    """Pick K maximising expected tokens per second from measured acceptance and costs.
+
+    Acceptance is kept per draft source (the draft model, a lookup), since one request may be
+    served by both and they accept very differently; a source's draft cost is K model steps,
+    or one lookup whatever K (see `StepCosts`).
+    """
 
     k_min: int = 1
     k_max: int = 8
@@ -81,19 +87,20 @@ class Adaptive:
     confidence_threshold: float = 0.4  # stop drafting when the draft's top probability is below
     long_context: int = 1024  # past this many tokens, K is halved (attention starts to cost)
     costs: StepCosts = field(default_factory=StepCosts)  # shared by the runtime's requests
-    accepted: float = field(init=False)
-    rejected: float = field(init=False)
+    counts: dict[str, list[float]] = field(init=False, default_factory=dict)  # [acc., rej.]
+    source: str = field(init=False, default="model")  # of the round being decided
 
-    def __post_init__(self) -> None:
-        self.accepted = self.prior_alpha * self.prior_weight
-        self.rejected = (1 - self.prior_alpha) * self.prior_weight
-
-    @property
-    def alpha(self) -> float:
+    def alpha(self, source: str = "model") -> float:
         """Acceptance per drafted token: the geometric MLE over recent, decayed observations."""
-        return self.accepted / (self.accepted + self.rejected)
+        accepted, rejected = self._counts(source)
+        return accepted / (accepted + rejected)
+
+    def _counts(self, source: str) -> list[float]:
+        prior = [self.prior_alpha * self.prior_weight, (1 - self.prior_alpha) * self.prior_weight]
+        return self.counts.setdefault(source, prior)
 
     def decide(self, ctx: RoundContext) -> Decision:
+        self.source = source = ctx.source
         cap, why = min(self.k_max, ctx.k_max), []
         if ctx.load > 0:
             cap = min(cap, max(self.k_min, self.k_max // (1 + ctx.load)))
@@ -103,15 +110,17 @@ class Adaptive:
             why.append(f"long context caps K at {cap}")
         if cap <= self.k_min:
             return Decision(cap, "; ".join(why + [f"room for {cap} only"]))
-        if not self.costs.ready:
+        if not self.costs.ready_for(source):
             k = min(cap, max(self.k_min, 4))
-            return Decision(k, "; ".join(why + [f"warming up (alpha={self.alpha:.2f})"]))
-        alpha = min(self.alpha, 0.999)
+            why.append(f"warming up ({source} alpha={self.alpha(source):.2f})")
+            return Decision(k, "; ".join(why))
+        alpha = min(self.alpha(source), 0.999)
         candidates = range(self.k_min, cap + 1)
         rates = [self._rate(k, alpha) for k in candidates]
         k = candidates[int(np.argmax(rates))]
+        draft_share = self._draft(k) / self._verify(0)
         why.append(
-            f"alpha={alpha:.2f} c_draft/c_verify={self.costs.draft_step / self._verify(0):.2f} "
+            f"{source} alpha={alpha:.2f} c_draft(K)/c_verify={draft_share:.2f} "
             f"c_verify(K)/c_verify(0)={self._verify(k) / self._verify(0):.2f} "
             f"-> {max(rates):.1f} tok/s"
         )
@@ -120,17 +129,21 @@ class Adaptive:
     def _verify(self, k: int) -> float:
         return self.costs.verify_cost(k + 1)  # K drafts are verified with K+1 new tokens
 
+    def _draft(self, k: int) -> float:
+        return self.costs.draft_cost(self.source, k)
+
     def _rate(self, k: int, alpha: float) -> float:
         tokens = (1 - alpha ** (k + 1)) / (1 - alpha)
-        return tokens / (k * self.costs.draft_step + self._verify(k))
+        return tokens / (self._draft(k) + self._verify(k))
 
     def observe(self, k: int, accepted: int, draft_s: float, verify_s: float) -> None:
         if k > 0:
+            counts = self._counts(self.source)
             rejected = 1 if accepted < k else 0  # drafts after a rejection are never judged
             fade = self.decay ** (accepted + rejected)
-            self.accepted = fade * self.accepted + accepted
-            self.rejected = fade * self.rejected + rejected
-            self.costs.observe_draft(draft_s, k)
+            counts[0] = fade * counts[0] + accepted
+            counts[1] = fade * counts[1] + rejected
+            self.costs.observe_draft(self.source, draft_s, k)
         self.costs.observe_verify(k + 1, verify_s)
 
 

@@ -25,17 +25,28 @@ PREFIX = 48  # tokens of context behind a calibration call, a typical short prom
 
 @dataclass
 class StepCosts:
-    """Seconds per draft step, and seconds per verify call by its number of new tokens."""
+    """Seconds per draft-model step, per lookup (by drafter, whatever K), and per verify call
+    by its number of new tokens."""
 
     draft_step: float | None = None
     verify: dict[int, float] = field(default_factory=dict)
+    lookup: dict[str, float] = field(default_factory=dict)
 
-    @property
-    def ready(self) -> bool:
-        return self.draft_step is not None and bool(self.verify)
+    def ready_for(self, source: str) -> bool:
+        """Whether a round drafted by source can be priced yet (a lookup costs ~0 until seen)."""
+        return bool(self.verify) and (source != "model" or self.draft_step is not None)
 
-    def observe_draft(self, seconds: float, steps: int) -> None:
-        self.draft_step = _blend(self.draft_step, seconds / steps)
+    def draft_cost(self, source: str, k: int) -> float:
+        """Seconds to draft k tokens: k model steps, or one lookup."""
+        if source == "model":
+            return k * self.draft_step
+        return self.lookup.get(source, 0.0)
+
+    def observe_draft(self, source: str, seconds: float, steps: int) -> None:
+        if source == "model":
+            self.draft_step = _blend(self.draft_step, seconds / steps)
+        else:
+            self.lookup[source] = _blend(self.lookup.get(source), seconds)
 
     def observe_verify(self, new_tokens: int, seconds: float) -> None:
         self.verify[new_tokens] = _blend(self.verify.get(new_tokens), seconds)
@@ -89,8 +100,10 @@ def measure_verify_curve(
     return curve
 
 
-def measure_costs(draft: Engine, target: Engine, k_max: int, repeats: int = 2) -> StepCosts:
-    """Measure the target's verify curve for K = 0..k_max and the draft's step cost."""
+def measure_costs(draft: Engine | None, target: Engine, k_max: int, repeats: int = 2) -> StepCosts:
+    """Measure the target's verify curve for K = 0..k_max and the draft's step cost (a bundle
+    without a draft model speculates by lookup only: there is no step to measure)."""
     costs = StepCosts(verify=measure_verify_curve(target, k_max + 1, repeats))
-    costs.draft_step = measure_verify_curve(draft, 1, repeats)[1]
+    if draft is not None:
+        costs.draft_step = measure_verify_curve(draft, 1, repeats)[1]
     return costs

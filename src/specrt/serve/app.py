@@ -90,6 +90,7 @@ class Server:
                 "max_model_len": bundle.max_context,
                 "k_max": bundle.max_draft,
                 "precision": bundle.precision_label,
+                "drafters": ["model", "ngram", "hybrid"] if bundle.has_draft else ["ngram"],
             }
         return card
 
@@ -112,7 +113,7 @@ class Server:
                 ids,
                 max_new_tokens=min(limit or body.default_max_tokens or room, room),
                 timeout=self.settings.timeout,
-                **body.runtime_options(self.settings.controller),
+                **body.runtime_options(self.settings.controller, self.settings.drafter),
             )
         except SpecrtError as err:
             raise APIError.from_specrt(err, prompt_field) from err

@@ -24,7 +24,11 @@ TYPES = {
 }
 
 # The Python API's argument names, as the HTTP API spells them.
-API_PARAMS = {"max_new_tokens": "max_tokens", "controller": "speculation"}
+API_PARAMS = {
+    "max_new_tokens": "max_tokens",
+    "controller": "speculation",
+    "drafter": "speculation.drafter",
+}
 
 
 class APIError(Exception):

@@ -28,6 +28,14 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class Speculation(BaseModel):
+    """The `speculation` field as an object: which policy picks K, and who drafts."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    controller: str | None = None  # off | fixed:K | heuristic | adaptive
+    drafter: str | None = None  # model | ngram | hybrid
+
+
 class _Request(BaseModel):
     """The fields both endpoints share."""
 
@@ -43,7 +51,9 @@ class _Request(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    speculation: str | None = None  # extension: off | fixed:K | heuristic | adaptive
+    # Extension: a controller spec (off | fixed:K | heuristic | adaptive), or an object with
+    # `controller` and `drafter` (model | ngram | hybrid).
+    speculation: str | Speculation | None = None
     n_max: int | None = Field(None, alias="speculative.n_max")  # llama.cpp's bounds on K
     n_min: int | None = Field(None, alias="speculative.n_min")
     ignore_eos: bool = False  # extension (vLLM): generate exactly max_tokens
@@ -74,10 +84,13 @@ class _Request(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def runtime_options(self, default_speculation: str) -> dict:
+    def runtime_options(self, default_speculation: str, default_drafter: str | None) -> dict:
         """Keyword arguments for `SpeculativeRuntime.stream` (max_new_tokens is the caller's:
         its default depends on the prompt's length)."""
-        spec = self.speculation or default_speculation
+        asked = self.speculation
+        if not isinstance(asked, Speculation):
+            asked = Speculation(controller=asked)
+        spec = asked.controller or default_speculation
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return {
             "temperature": 1.0 if self.temperature is None else self.temperature,
@@ -87,6 +100,7 @@ class _Request(BaseModel):
             "stop": stop,
             "speculate": spec != "off",
             "controller": None if spec == "off" else spec,
+            "drafter": asked.drafter or default_drafter,
             "min_draft": self.n_min,
             "max_draft": self.n_max,
             "ignore_eos": self.ignore_eos,
@@ -184,6 +198,7 @@ def speculation(result: Result) -> dict:
     s = result.stats
     return {
         "controller": s.controller,
+        "drafter": s.drafter,
         "rounds": s.rounds,
         "drafted": s.drafted,
         "accepted": s.accepted,

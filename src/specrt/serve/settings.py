@@ -15,6 +15,7 @@ class ServeSettings:
     max_queue: int = 32  # requests waiting for the engines; past this, 429
     timeout: float | None = 600.0  # seconds a request may take in all, queue included
     controller: str = "adaptive"  # the default `speculation` of a request
+    drafter: str | None = None  # model | ngram | hybrid; default: the runtime's
     api_key: str | None = None  # when set, every route but /health needs it
     model_name: str | None = None  # the `model` clients send; default: the bundle folder's name
     backend: str = "onnxruntime"

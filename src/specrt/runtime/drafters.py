@@ -1,0 +1,201 @@
+"""Who proposes the drafts: the bundle's draft model, a lookup in the context, or both.
+
+Every drafter answers two questions a round: `offer` (which source would propose now, and at
+most how many tokens: a lookup has as many as its match continues, a model as many as asked),
+so the controller can price the round before anything runs, then `propose` (up to k tokens,
+each with the distribution it was drawn from). A distribution of None is a point mass: the
+token was chosen deterministically (greedy drafting, or a lookup), and rejection sampling treats
+it as q = one-hot(x), which keeps the target's distribution exactly. `rollback` says how many
+tokens of the sequence survived the round. The loop knows no more than this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from specrt.engines.base import Engine
+from specrt.errors import SpecrtError
+from specrt.runtime.sampling import SamplingParams, probabilities, sample
+
+DRAFTERS = ("model", "ngram", "hybrid")
+
+
+@dataclass(frozen=True)
+class Offer:
+    source: str  # "model", "ngram", ...: what the controller prices this round by
+    available: int  # the most tokens it can propose now (0: none this round)
+
+
+@dataclass
+class Proposal:
+    tokens: list[int] = field(default_factory=list)
+    probs: list[np.ndarray | None] = field(default_factory=list)  # None: a point mass
+
+
+class Drafter(Protocol):
+    def start(self, prompt: Sequence[int]) -> None:
+        """A new sequence begins with this prompt."""
+
+    def offer(self, seq: Sequence[int], limit: int) -> Offer:
+        """What this drafter can propose after seq, at most limit tokens."""
+
+    def propose(
+        self,
+        seq: Sequence[int],
+        k: int,
+        params: SamplingParams,
+        rng: np.random.Generator,
+        threshold: float,
+    ) -> Proposal:
+        """Up to k tokens after seq (the last offer's source proposes them)."""
+
+    def rollback(self, length: int) -> None:
+        """Only the first `length` tokens of the sequence survived the round."""
+
+
+def draw(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, threshold: float):
+    """A model's token, the distribution it was drawn from (None when greedy: a point mass),
+    and its confidence: the top probability (1.0 when greedy and not asked for)."""
+    if params.greedy:
+        confidence = 1.0
+        if threshold > 0:
+            shifted = np.exp(logits - logits.max())
+            confidence = float(1.0 / shifted.sum())
+        return int(logits.argmax()), None, confidence
+    probs = probabilities(logits, params)
+    return sample(probs, rng), probs, float(probs.max())
+
+
+class ModelDrafter:
+    """The bundle's draft model. Its cache holds a prefix of the sequence and catches up on the
+    rest before drafting, so rounds that another drafter served cost it nothing until then."""
+
+    name = "model"
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def start(self, prompt: Sequence[int]) -> None:
+        self.engine.reset()
+        self.engine.forward(list(prompt), last=1)
+
+    def offer(self, seq: Sequence[int], limit: int) -> Offer:
+        return Offer("model", limit)
+
+    def propose(self, seq, k, params, rng, threshold) -> Proposal:
+        proposal = Proposal()
+        logits = self.engine.forward(list(seq[self.engine.length :]), last=1)[0]
+        while True:
+            token, probs, confidence = draw(logits, params, rng, threshold)
+            if proposal.tokens and confidence < threshold:
+                return proposal  # the draft is unsure: verifying now beats drafting on
+            proposal.tokens.append(token)
+            proposal.probs.append(probs)
+            if len(proposal.tokens) == k:
+                return proposal
+            logits = self.engine.forward([token])[0]
+
+    def rollback(self, length: int) -> None:
+        self.engine.rollback(min(self.engine.length, length))
+
+
+class NgramDrafter:
+    """Prompt lookup: the tokens that followed the most recent earlier occurrence of the last
+    n tokens, trying n from max_n down to min_n, in the last `window` tokens of the sequence
+    (prompt and output alike). Free to run (tens of microseconds at 2,048 tokens), and right
+    where the output copies its input: edits, refactors, answers quoting a given text."""
+
+    name = "ngram"
+
+    def __init__(self, min_n: int = 2, max_n: int = 4, window: int = 4096):
+        if not 1 <= min_n <= max_n:
+            raise SpecrtError(
+                f"n-gram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}"
+            )
+        self.min_n, self.max_n, self.window = min_n, max_n, window
+        self._found: list[int] = []
+
+    def start(self, prompt: Sequence[int]) -> None:
+        self._found = []
+
+    def offer(self, seq: Sequence[int], limit: int) -> Offer:
+        self._found = lookup(seq[-self.window :], self.min_n, self.max_n, limit)
+        return Offer("ngram", len(self._found))
+
+    def propose(self, seq, k, params, rng, threshold) -> Proposal:
+        tokens = self._found[:k]
+        return Proposal(tokens, [None] * len(tokens))
+
+    def rollback(self, length: int) -> None:
+        pass
+
+
+def lookup(seq: Sequence[int], min_n: int, max_n: int, limit: int) -> list[int]:
+    """Up to `limit` tokens that followed the most recent earlier match of seq's last n tokens,
+    for the largest n in max_n..min_n that matches; [] when none does."""
+    if limit < 1 or len(seq) <= min_n:
+        return []
+    tokens = np.asarray(seq, dtype=np.int64)
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        # Windows that start at i and end before the last token, so a continuation exists.
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
+        hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return tokens[start : start + limit].tolist()
+    return []
+
+
+class HybridDrafter:
+    """The lookup when it finds a match (free), the draft model otherwise."""
+
+    name = "hybrid"
+
+    def __init__(self, model: ModelDrafter, ngram: NgramDrafter):
+        self.model, self.ngram = model, ngram
+        self._current: ModelDrafter | NgramDrafter = model
+
+    def start(self, prompt: Sequence[int]) -> None:
+        self.model.start(prompt)
+        self.ngram.start(prompt)
+
+    def offer(self, seq: Sequence[int], limit: int) -> Offer:
+        offer = self.ngram.offer(seq, limit)
+        self._current = self.ngram if offer.available else self.model
+        return offer if offer.available else self.model.offer(seq, limit)
+
+    def propose(self, seq, k, params, rng, threshold) -> Proposal:
+        return self._current.propose(seq, k, params, rng, threshold)
+
+    def rollback(self, length: int) -> None:
+        self.model.rollback(length)
+
+
+def make_drafter(name, draft: Engine | None) -> Drafter:
+    """`model`, `ngram` or `hybrid` over the bundle's draft engine (None: target-only).
+
+    Anything else is taken as a drafter already (with `start`, `offer`, `propose`,
+    `rollback`; one per request, since drafters keep per-request state)."""
+    if not isinstance(name, str):
+        return name
+    if name not in DRAFTERS:
+        raise SpecrtError(
+            f"unknown drafter {name!r}; choose from {', '.join(DRAFTERS)}", param="drafter"
+        )
+    if name == "ngram":
+        return NgramDrafter()
+    if draft is None:
+        raise SpecrtError(
+            f"drafter {name!r} needs a draft model, and this bundle has none (built without "
+            "--draft); use the ngram drafter",
+            param="drafter",
+        )
+    return (
+        ModelDrafter(draft)
+        if name == "model"
+        else HybridDrafter(ModelDrafter(draft), NgramDrafter())
+    )

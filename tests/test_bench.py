@@ -100,11 +100,15 @@ def test_bench_reports_lookup_rows_per_category(bundles, tmp_path):
         for p, cat in zip(load_prompts(PROMPT_FILES)[:2], ["edit", "rag"], strict=True)
     ]
     only = ["specrt_target_only", "specrt_ngram", "specrt_hybrid"]
-    result = run_bench(bundles["llama"], prompts, max_new_tokens=6, only=only, log=lambda _: None)
+    result = run_bench(
+        bundles["llama"], prompts, max_new_tokens=6, only=only, stop_at_eos=True, log=print
+    )
+    assert result["settings"]["stop_at_eos"]
     rows = {row["name"]: row for row in result["configs"]}
     assert list(rows) == only
     for row in rows.values():
         assert row["identical_to_target_alone"]
+        assert row["decode_tokens_per_s"] > 0
         assert set(row["categories"]) == {"edit", "rag"}
         assert all(c["speedup_vs_target_alone"] > 0 for c in row["categories"].values())
     assert rows["specrt_target_only"]["speedup_vs_target_alone"] == 1.0

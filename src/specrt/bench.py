@@ -54,6 +54,7 @@ class Run:
 class Row:
     name: str
     tokens_per_s: float
+    decode_tokens_per_s: float  # after the first token: what a long prompt's prefill hides
     ttft_ms: float
     latency_p50_ms: float
     latency_p99_ms: float
@@ -69,6 +70,7 @@ class Row:
     first_divergence: list[int | None] = field(default_factory=list)
     rss_mb: float = 0.0  # resident memory after the row, with its engines loaded
     speedup_vs_target_alone: float | None = None  # against its own bundle's target alone
+    decode_speedup_vs_target_alone: float | None = None
     categories: dict[str, dict] = field(default_factory=dict)  # per prompt category
 
 
@@ -107,9 +109,11 @@ def summarize(name: str, runs: list[Run]) -> Row:
     latencies = [x for r in runs for x in per_token_latencies(r.token_times, r.ttft)]
     calls = [r.target_calls for r in runs]
     drafted = [r.drafted for r in runs]
+    decode_seconds = seconds - sum(r.ttft for r in runs)
     return Row(
         name=name,
         tokens_per_s=new / seconds,
+        decode_tokens_per_s=(new - len(runs)) / decode_seconds if decode_seconds > 0 else 0.0,
         ttft_ms=1000 * float(np.mean([r.ttft for r in runs])),
         latency_p50_ms=1000 * float(np.percentile(latencies, 50)) if latencies else 0.0,
         latency_p99_ms=1000 * float(np.percentile(latencies, 99)) if latencies else 0.0,
@@ -150,13 +154,16 @@ class _TimingStreamer:
         pass
 
 
-def hf_runner(model, max_new_tokens: int, assistant=None) -> Callable[[list[int]], Run]:
-    """transformers generate, greedy, EOS ignored (as specrt's ignore_eos) for equal lengths."""
+def hf_runner(
+    model, max_new_tokens: int, assistant=None, eos: list[int] | None = None
+) -> Callable[[list[int]], Run]:
+    """transformers generate, greedy; EOS ignored (as specrt's ignore_eos) for equal lengths
+    unless eos lists the ids to stop at."""
     import torch
     from transformers import GenerationConfig
 
     config = GenerationConfig(
-        max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+        max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=0
     )
 
     def run(ids: list[int]) -> Run:
@@ -182,9 +189,12 @@ def hf_runner(model, max_new_tokens: int, assistant=None) -> Callable[[list[int]
     return run
 
 
-def genai_runner(folder: Path, max_new_tokens: int) -> Callable[[list[int]], Run]:
+def genai_runner(
+    folder: Path, max_new_tokens: int, stop_at_eos: bool = False
+) -> Callable[[list[int]], Run]:
     """ONNX Runtime GenAI's own loop (target alone, greedy). min_length pins the length, as
-    ignore_eos does for the others; it differs only after an EOS, which the comparison shows."""
+    ignore_eos does for the others (it differs only after an EOS, which the comparison shows),
+    unless stop_at_eos."""
     import onnxruntime_genai as og
 
     model = og.Model(str(folder))
@@ -192,7 +202,8 @@ def genai_runner(folder: Path, max_new_tokens: int) -> Callable[[list[int]], Run
     def run(ids: list[int]) -> Run:
         params = og.GeneratorParams(model)
         total = len(ids) + max_new_tokens
-        params.set_search_options(max_length=total, min_length=total, do_sample=False)
+        shortest = len(ids) + 1 if stop_at_eos else total
+        params.set_search_options(max_length=total, min_length=shortest, do_sample=False)
         generator = og.Generator(model, params)
         start = time.perf_counter()
         generator.append_tokens(np.asarray(ids, dtype=np.int32))
@@ -206,9 +217,11 @@ def genai_runner(folder: Path, max_new_tokens: int) -> Callable[[list[int]], Run
     return run
 
 
-def specrt_runner(rt: SpeculativeRuntime, max_new_tokens: int, **options):
+def specrt_runner(rt: SpeculativeRuntime, max_new_tokens: int, stop_at_eos=False, **options):
     def run(ids: list[int]) -> Run:
-        result = rt.generate(ids, max_new_tokens=max_new_tokens, ignore_eos=True, **options)
+        result = rt.generate(
+            ids, max_new_tokens=max_new_tokens, ignore_eos=not stop_at_eos, **options
+        )
         s = result.stats
         return Run(
             result.token_ids,
@@ -250,6 +263,7 @@ def by_category(runs: list[Run], categories: list[str], repeat: int) -> dict[str
         out[category] = {
             "prompts": len(group) // repeat,
             "tokens_per_s": row.tokens_per_s,
+            "decode_tokens_per_s": row.decode_tokens_per_s,
             "tokens_per_target_call": row.tokens_per_target_call,
         }
     return out
@@ -288,12 +302,16 @@ def run_bench(
     only: Sequence[str] | None = None,
     threads: int | None = None,
     genai_models: dict[str, Path] | None = None,
+    stop_at_eos: bool = False,
     log: Log = print,
 ) -> dict:
     """Baselines from the first bundle's recorded sources, then specrt rows for every bundle.
 
     Rows of a bundle that is not float32 throughout carry its precision label as a suffix
     (specrt_adaptive_d-int4_t-fp32); genai_models maps a label ("" or "int4") to a model folder.
+    Every row ignores EOS and generates max_new_tokens, unless stop_at_eos: then each stops
+    where the model ends its answer (as Spec-Bench runs), and greedy rows still match token for
+    token, so their lengths agree.
     """
     paths = [Path(bundle_paths)] if isinstance(bundle_paths, str | Path) else list(bundle_paths)
     bundles = [Bundle.load(path) for path in paths]
@@ -314,7 +332,8 @@ def run_bench(
 
     # One framework's copy of the models in memory at a time: PyTorch, then GenAI, then specrt.
     if wanted("pytorch_baseline") or wanted("hf_assisted"):
-        _torch_rows(bundles[0], max_new_tokens, threads, wanted, record)
+        eos = bundles[0].eos_token_ids if stop_at_eos else None
+        _torch_rows(bundles[0], max_new_tokens, threads, wanted, record, eos)
         gc.collect()
     for label, folder in (genai_models or {"": None}).items():
         name = genai_row_name(label)
@@ -323,7 +342,7 @@ def run_bench(
             if note:
                 notes.append(note)
             else:
-                record(name, genai_runner(folder, max_new_tokens))
+                record(name, genai_runner(folder, max_new_tokens, stop_at_eos))
                 gc.collect()
     for bundle in bundles:
         label = bundle.precision_label
@@ -335,7 +354,8 @@ def run_bench(
         rt = SpeculativeRuntime.load(bundle.path, threads=threads, calibrate=False)
         costs[label] = cost_report(rt)
         for name, options in configs:
-            record(name, specrt_runner(rt, max_new_tokens, **options), TARGET_ALONE + suffix)
+            runner = specrt_runner(rt, max_new_tokens, stop_at_eos, **options)
+            record(name, runner, TARGET_ALONE + suffix)
         del rt
         gc.collect()
     _compare(rows, outputs)
@@ -345,6 +365,7 @@ def run_bench(
         "machine": machine_info(threads),
         "settings": {
             "max_new_tokens": max_new_tokens,
+            "stop_at_eos": stop_at_eos,
             "repeat": repeat,
             "greedy": True,
             "prompts": len(prompts),
@@ -393,16 +414,16 @@ def bundle_ks(bundle: Bundle) -> list[int]:
     return [k for k in FIXED_KS if k <= bundle.max_draft]
 
 
-def _torch_rows(bundle: Bundle, max_new_tokens, threads, wanted, record) -> None:
+def _torch_rows(bundle: Bundle, max_new_tokens, threads, wanted, record, eos=None) -> None:
     """The transformers rows, on the bundle's recorded (and re-hashed) source weights."""
     from specrt.engines.torch import TorchEngine
 
     target = TorchEngine.from_bundle(bundle, "target", threads=threads).model
     if wanted("pytorch_baseline"):
-        record("pytorch_baseline", hf_runner(target, max_new_tokens))
+        record("pytorch_baseline", hf_runner(target, max_new_tokens, eos=eos))
     if wanted("hf_assisted") and bundle.has_draft:
         draft = TorchEngine.from_bundle(bundle, "draft", threads=threads).model
-        record("hf_assisted", hf_runner(target, max_new_tokens, assistant=draft))
+        record("hf_assisted", hf_runner(target, max_new_tokens, assistant=draft, eos=eos))
 
 
 def _genai_missing(name: str, folder: Path | None) -> str | None:
@@ -441,10 +462,17 @@ def _compare(rows: list[Row], outputs: dict) -> None:
 def _speedups(row: Row, alone: Row) -> None:
     """Against the target alone of the same bundle: overall and per category."""
     row.speedup_vs_target_alone = row.tokens_per_s / alone.tokens_per_s
+    row.decode_speedup_vs_target_alone = _ratio(row.decode_tokens_per_s, alone.decode_tokens_per_s)
     for category, cell in row.categories.items():
-        cell["speedup_vs_target_alone"] = (
-            cell["tokens_per_s"] / alone.categories[category]["tokens_per_s"]
+        base = alone.categories[category]
+        cell["speedup_vs_target_alone"] = cell["tokens_per_s"] / base["tokens_per_s"]
+        cell["decode_speedup_vs_target_alone"] = _ratio(
+            cell["decode_tokens_per_s"], base["decode_tokens_per_s"]
         )
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None  # None: answers of one token have no decoding to compare
 
 
 def machine_info(threads: int | None) -> dict:
@@ -505,9 +533,10 @@ def markdown(result: dict) -> str:
         f"tokens, greedy, repeat {s['repeat']}; bundles {', '.join(_precisions(result))}; "
         f"peak RSS {result.get('peak_rss_mb', 0):.0f} MB.",
         "",
-        "| configuration | tokens/s | vs PyTorch | vs target alone | TTFT ms | p50 ms/tok "
-        "| p99 ms/tok | tokens/target call | acceptance | = baseline | = target alone | RSS MB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| configuration | tokens/s | vs PyTorch | vs target alone | decode tokens/s "
+        "| decode vs target alone | TTFT ms | p50 ms/tok | p99 ms/tok | tokens/target call "
+        "| acceptance | = baseline | = target alone | RSS MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["configs"]:
         same = _fmt(r["identical_to_baseline"], "")
@@ -515,7 +544,9 @@ def markdown(result: dict) -> str:
             same = f"no ({r['mismatches_vs_baseline']} differ)"
         lines.append(
             f"| {r['name']} | {r['tokens_per_s']:.2f} | {_fmt(r['speedup_vs_pytorch'], '.2f')}× "
-            f"| {_fmt(r.get('speedup_vs_target_alone'), '.2f')}× | {r['ttft_ms']:.0f} "
+            f"| {_fmt(r.get('speedup_vs_target_alone'), '.2f')}× "
+            f"| {_fmt(r.get('decode_tokens_per_s'), '.2f')} "
+            f"| {_fmt(r.get('decode_speedup_vs_target_alone'), '.2f')}× | {r['ttft_ms']:.0f} "
             f"| {r['latency_p50_ms']:.0f} | {r['latency_p99_ms']:.0f} "
             f"| {_fmt(r['tokens_per_target_call'], '.2f')} | {_fmt(r['acceptance_rate'], '.0%')} "
             f"| {same} | {_fmt(r['identical_to_target_alone'], '')} "
@@ -535,7 +566,8 @@ def _category_lines(rows: list[dict]) -> list[str]:
         return []
     lines = [
         "",
-        "Per category: speedup over the same bundle's target alone (tokens per target call):",
+        "Per category: speedup over the same bundle's target alone, end to end / decoding only "
+        "(tokens per target call):",
         "",
         "| configuration | " + " | ".join(names) + " |",
         "|---|" + "---|" * len(names),
@@ -545,7 +577,9 @@ def _category_lines(rows: list[dict]) -> list[str]:
         for name in names:
             cell = r.get("categories", {}).get(name, {})
             speed = _fmt(cell.get("speedup_vs_target_alone"), ".2f")
-            cells.append(f"{speed}× ({_fmt(cell.get('tokens_per_target_call'), '.2f')})")
+            decode = _fmt(cell.get("decode_speedup_vs_target_alone"), ".2f")
+            calls = _fmt(cell.get("tokens_per_target_call"), ".2f")
+            cells.append(f"{speed}× / {decode}× ({calls})")
         lines.append(f"| {r['name']} | " + " | ".join(cells) + " |")
     return lines
 

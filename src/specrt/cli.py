@@ -352,6 +352,12 @@ def demo(tiny: bool, max_new_tokens: int | None):
 )
 @click.option("--categories", default=None, help="Comma-separated prompt categories to run.")
 @click.option("--per-category", type=int, default=None, help="At most N prompts per category.")
+@click.option(
+    "--stop-at-eos",
+    is_flag=True,
+    help="Stop each answer where the model ends it (Spec-Bench's way) instead of generating "
+    "exactly --max-new-tokens.",
+)
 @click.option("--max-new-tokens", default=128, show_default=True)
 @click.option("--repeat", default=1, show_default=True, help="Runs per prompt.")
 @click.option("--only", default=None, help="Comma-separated configuration names to run.")
@@ -372,6 +378,7 @@ def bench(
     prompt_files,
     categories,
     per_category,
+    stop_at_eos,
     max_new_tokens,
     repeat,
     only,
@@ -405,6 +412,7 @@ def bench(
         only=only.split(",") if only else None,
         threads=threads,
         genai_models=genai,
+        stop_at_eos=stop_at_eos,
         log=_log,
     )
     for path in write_report(result, out, name or Path(bundles[0]).resolve().name, log=_log):

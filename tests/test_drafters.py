@@ -9,7 +9,9 @@ import shutil
 import subprocess
 import sys
 
+import openai
 import pytest
+from servers import client, serving
 
 from specrt.bench import run_bench
 from specrt.bundle import Bundle
@@ -17,6 +19,7 @@ from specrt.errors import SpecrtError
 from specrt.exporter.build import build_bundle
 from specrt.runtime import SpeculativeRuntime
 from specrt.runtime.drafters import HybridDrafter, ModelDrafter, NgramDrafter, Offer, lookup
+from specrt.serve import ServeSettings
 
 # A prompt whose continuation repeats what it already holds, so lookups find matches.
 REPEATING = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return a + b\n\n\ndef add("
@@ -173,9 +176,7 @@ def test_a_target_only_bundle_builds_inspects_and_generates(target_only):
         rt.generate("hi", drafter="hybrid")
 
 
-def test_bench_and_serve_take_a_target_only_bundle(target_only, tmp_path):
-    from specrt.serve.protocol import CompletionRequest
-
+def test_bench_and_serve_take_a_target_only_bundle(target_only):
     prompts = [{"prompt": REPEATING, "set": "code", "category": "code"}]
     result = run_bench(target_only, prompts, max_new_tokens=8, log=lambda _: None)
     rows = {row["name"]: row for row in result["configs"]}
@@ -184,8 +185,17 @@ def test_bench_and_serve_take_a_target_only_bundle(target_only, tmp_path):
     assert rows["specrt_ngram_t-fp32"]["identical_to_target_alone"]
     assert result["costs"]["t-fp32"]["draft_step_ms"] is None
 
-    body = CompletionRequest(prompt=REPEATING, max_tokens=8, speculation={"drafter": "ngram"})
-    assert body.runtime_options("adaptive", None)["drafter"] == "ngram"
+    runtime = SpeculativeRuntime.load(target_only)
+    want = runtime.generate(REPEATING, max_new_tokens=12, speculate=False).text
+    with serving(ServeSettings(bundle=target_only, model_name="t"), runtime) as (base, _):
+        api = client(base)
+        got = api.completions.create(model="t", prompt=REPEATING, max_tokens=12, temperature=0)
+        assert got.choices[0].text == want and got.speculation["drafter"] == "ngram"
+        assert api.models.retrieve("t").drafters == ["ngram"]
+        with pytest.raises(openai.BadRequestError, match="needs a draft model"):
+            api.completions.create(
+                model="t", prompt="x", extra_body={"speculation": {"drafter": "hybrid"}}
+            )
 
 
 def test_a_killed_build_leaves_a_folder_the_next_build_removes(short_target, tmp_path):

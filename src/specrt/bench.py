@@ -619,6 +619,33 @@ def _fixed_rows(rows: list[dict]) -> dict[str, dict[int, dict]]:
     return grouped
 
 
+def _chart_fixed(axes, rows: list[dict]) -> None:
+    for suffix, fixed in _fixed_rows(rows).items():
+        ks = sorted(fixed)
+        axes.plot(ks, [fixed[k]["tokens_per_target_call"] for k in ks], "o-", label=suffix)
+    axes.set_xlabel("K (fixed)")
+    axes.set_ylabel("tokens per target call")
+    axes.set_title("tokens per target call vs K")
+    if axes.lines:
+        axes.legend(fontsize=8)
+
+
+def _chart_categories(axes, rows: list[dict]) -> None:
+    """Without fixed-K rows: each row's speedup over its target alone, per prompt category."""
+    rows = [r for r in rows if r.get("categories") and r.get("speedup_vs_target_alone")]
+    names = sorted({c for r in rows for c in r["categories"]})
+    width = 0.8 / max(len(rows), 1)
+    for i, row in enumerate(rows):
+        speeds = [row["categories"].get(c, {}).get("speedup_vs_target_alone", 0) for c in names]
+        xs = [j + i * width for j in range(len(names))]
+        axes.bar(xs, speeds, width, label=row["name"])
+    axes.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names, fontsize=8)
+    axes.set_ylabel("speedup over the target alone (end to end)")
+    axes.set_title("per category")
+    if rows:
+        axes.legend(fontsize=7)
+
+
 def chart(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -634,14 +661,10 @@ def chart(result: dict, path: Path) -> None:
         "speedup vs PyTorch baseline" if rows and rows[0]["speedup_vs_pytorch"] else "tokens/s"
     )
     left.invert_yaxis()
-    for suffix, fixed in _fixed_rows(rows).items():
-        ks = sorted(fixed)
-        right.plot(ks, [fixed[k]["tokens_per_target_call"] for k in ks], "o-", label=suffix)
-    right.set_xlabel("K (fixed)")
-    right.set_ylabel("tokens per target call")
-    right.set_title("tokens per target call vs K")
-    if right.lines:
-        right.legend(fontsize=8)
+    if _fixed_rows(rows):
+        _chart_fixed(right, rows)
+    else:
+        _chart_categories(right, rows)
     for label, c in result.get("costs", {}).items():
         counts = sorted(int(n) for n in c["verify_ratio"])
         ratios = {int(n): v for n, v in c["verify_ratio"].items()}

@@ -37,6 +37,8 @@ class Proposal:
 
 
 class Drafter(Protocol):
+    name: str  # reported in the stats: model, ngram, hybrid, ...
+
     def start(self, prompt: Sequence[int]) -> None:
         """A new sequence begins with this prompt."""
 

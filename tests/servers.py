@@ -1,0 +1,75 @@
+"""Helpers for tests that talk to a real server: uvicorn in a thread on a free loopback port,
+raw HTTP for requests a client would refuse to send, the official client, the metrics."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+
+import openai
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from specrt.runtime import SpeculativeRuntime
+from specrt.serve import ServeSettings, create_app
+
+
+@contextmanager
+def serving(settings: ServeSettings, runtime: SpeculativeRuntime | None = None, app=None):
+    """uvicorn in a thread on a free 127.0.0.1 port; yields (base URL, the app)."""
+    app = app or create_app(settings, runtime)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}", app
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+def wait_healthy(base: str, timeout: float = 120) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        status, body = http(f"{base}/health")
+        if status == 200 or time.monotonic() > deadline:
+            return body
+        time.sleep(0.05)
+
+
+def http(url: str, body: bytes | None = None, headers: dict | None = None) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=body, headers=headers or {})
+    if body is not None:
+        request.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def client(base: str, key: str = "none", **options) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, **options)
+
+
+def metric_values(base: str) -> dict[tuple[str, tuple], float]:
+    with urllib.request.urlopen(f"{base}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[sample.name, tuple(sorted(sample.labels.items()))] = sample.value
+    return values

@@ -22,6 +22,7 @@ from starlette.concurrency import run_in_threadpool
 
 from specrt.errors import SpecrtError
 from specrt.runtime import Generation, Result, SpeculativeRuntime
+from specrt.runtime.drafters import DRAFTERS
 from specrt.serve import errors
 from specrt.serve.auth import BearerAuth
 from specrt.serve.errors import APIError
@@ -90,7 +91,7 @@ class Server:
                 "max_model_len": bundle.max_context,
                 "k_max": bundle.max_draft,
                 "precision": bundle.precision_label,
-                "drafters": ["model", "ngram", "hybrid"] if bundle.has_draft else ["ngram"],
+                "drafters": list(DRAFTERS) if bundle.has_draft else ["ngram"],
             }
         return card
 

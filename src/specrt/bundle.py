@@ -25,6 +25,9 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 STAMP = ".verified.json"
 ROLES = ("draft", "target")
+# Cache positions past the max context, for the padding tokens of a batched call: a row near the
+# end of its context still gets padded to the call's width (see exporter/graph.py).
+CACHE_MARGIN = 64
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,17 @@ class Bundle:
     @property
     def max_draft(self) -> int:
         return int(self.manifest["max_draft"])
+
+    @property
+    def per_row_positions(self) -> bool:
+        """Whether the graphs give each batch row its own cache positions (bundles built
+        before batching share one length across the batch, so they serve one row at a time)."""
+        return self.manifest.get("kv_cache", {}).get("positions") == "per_row"
+
+    @property
+    def cache_margin(self) -> int:
+        """Cache positions past max_context that the graphs' rotary tables cover."""
+        return int(self.manifest.get("kv_cache", {}).get("margin", 0))
 
     @property
     def eos_token_ids(self) -> list[int]:

@@ -1,8 +1,10 @@
 """The engine protocol: what the runtime may ask of any backend, and nothing more.
 
-An engine owns one model and its KV cache for a single sequence (batch size 1). The runtime feeds
-new tokens, reads their logits, and rolls the cache back to the emitted prefix after a rejection;
-it never learns which backend it drives.
+An engine owns one model and a KV cache of `slots` sequences side by side (the rows of a batched
+call). The runtime feeds each row's new tokens, reads their logits, and rolls a row's cache back
+to its emitted prefix after a rejection; it never learns which backend it drives. Engines that
+hold one sequence (the PyTorch reference, TensorRT today) have one slot, and a batched call of
+that one row is their plain forward.
 """
 
 from __future__ import annotations
@@ -14,37 +16,48 @@ import numpy as np
 
 from specrt.errors import SpecrtError
 
+RowCall = tuple[int, Sequence[int]]  # (slot, new tokens) in a batched call
+
 
 @runtime_checkable
 class Engine(Protocol):
     vocab_size: int
-    capacity: int  # the most positions the cache holds (the bundle's max context)
+    capacity: int  # the most positions a slot holds (the bundle's max context)
+    slots: int  # sequences the cache holds side by side
 
     @property
     def length(self) -> int:
-        """Positions currently in the cache."""
+        """Positions currently in slot 0's cache."""
 
-    def reset(self) -> None:
-        """Forget the sequence: the next forward starts at position 0."""
+    @property
+    def lengths(self) -> Sequence[int]:
+        """Positions currently in each slot's cache."""
+
+    def reset(self, slot: int = 0) -> None:
+        """Forget a slot's sequence: its next forward starts at position 0."""
 
     def forward(self, tokens: Sequence[int], last: int | None = None) -> np.ndarray:
-        """Append tokens to the cache; return float32 logits [n, vocab] for the last n of them.
+        """Append tokens to slot 0; return float32 logits [n, vocab] for the last n of them.
 
         n defaults to all of them (verify); a prefill asks for last=1.
         """
 
-    def rollback(self, length: int) -> None:
-        """Keep only the first `length` positions; must cost O(1)."""
+    def forward_rows(self, rows: Sequence[RowCall], last: int | None = None) -> list[np.ndarray]:
+        """One call for several slots, each with its own new tokens; per row, the logits of its
+        last `last` tokens (all of them by default), as `forward` gives for one."""
+
+    def rollback(self, length: int, slot: int = 0) -> None:
+        """Keep only the first `length` positions of a slot; must cost O(1)."""
 
 
-def check_room(engine: Engine, count: int, last: int | None) -> int:
+def check_room(engine: Engine, count: int, last: int | None, slot: int = 0) -> int:
     """Validate a forward call's sizes before any backend work; return how many logits to keep."""
     if count < 1:
         raise ValueError("forward needs at least one token")
-    if engine.length + count > engine.capacity:
+    if engine.lengths[slot] + count > engine.capacity:
         raise SpecrtError(
-            f"context full: {engine.length} cached + {count} new tokens exceed the bundle's "
-            f"max context of {engine.capacity}"
+            f"context full: {engine.lengths[slot]} cached + {count} new tokens exceed the "
+            f"bundle's max context of {engine.capacity}"
         )
     keep = count if last is None else last
     if not 1 <= keep <= count:
@@ -52,24 +65,52 @@ def check_room(engine: Engine, count: int, last: int | None) -> int:
     return keep
 
 
-def check_rollback(engine: Engine, length: int) -> None:
-    if not 0 <= length <= engine.length:
-        raise ValueError(f"cannot roll back to {length}: the cache holds {engine.length}")
+def check_rollback(engine: Engine, length: int, slot: int = 0) -> None:
+    if not 0 <= length <= engine.lengths[slot]:
+        raise ValueError(
+            f"cannot roll back slot {slot} to {length}: its cache holds {engine.lengths[slot]}"
+        )
+
+
+def check_slot(engine: Engine, slot: int) -> None:
+    if not 0 <= slot < engine.slots:
+        raise ValueError(f"slot {slot} does not exist: this engine holds {engine.slots}")
 
 
 class BufferCache:
     """Position bookkeeping for engines whose cache is a buffer preallocated at max context:
-    the graph writes at the current length, so a rollback only moves the length (O(1))."""
+    the graph writes at each slot's current length, so a rollback only moves a length (O(1))."""
 
-    _length = 0
+    slots = 1
+    _lengths: list[int]
 
     @property
     def length(self) -> int:
-        return self._length
+        return self._lengths[0]
 
-    def reset(self) -> None:
-        self._length = 0
+    @property
+    def lengths(self) -> Sequence[int]:
+        return self._lengths
 
-    def rollback(self, length: int) -> None:
-        check_rollback(self, length)
-        self._length = length
+    def reset(self, slot: int = 0) -> None:
+        check_slot(self, slot)
+        self._lengths[slot] = 0
+
+    def rollback(self, length: int, slot: int = 0) -> None:
+        check_slot(self, slot)
+        check_rollback(self, length, slot)
+        self._lengths[slot] = length
+
+
+class OneSlot:
+    """For engines that hold one sequence: a batched call can only be that one row."""
+
+    slots = 1
+
+    def forward_rows(self, rows: Sequence[RowCall], last: int | None = None) -> list[np.ndarray]:
+        if len(rows) != 1 or rows[0][0] != 0:
+            raise SpecrtError(
+                f"{type(self).__name__} holds one sequence; batched calls need the ONNX "
+                "Runtime engine"
+            )
+        return [self.forward(rows[0][1], last)]

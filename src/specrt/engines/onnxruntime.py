@@ -19,7 +19,7 @@ import numpy as np
 import onnxruntime as ort
 
 from specrt.bundle import Bundle
-from specrt.engines.base import BufferCache, check_room
+from specrt.engines.base import BufferCache, RowCall, check_room, check_slot
 from specrt.errors import SpecrtError
 from specrt.files import specrt_home
 from specrt.profiles import input_shapes, profiles_from_manifest
@@ -89,11 +89,20 @@ class OrtEngine(BufferCache):
         head_dim: int,
         vocab_size: int,
         capacity: int,
+        margin: int = 0,
+        slots: int = 1,
         providers: Sequence[str | tuple[str, dict]] | None = None,
         threads: int | None = None,
         even_rows: bool = False,
     ):
-        """even_rows: run every call on an even number of rows (see `forward`)."""
+        """margin: cache positions past capacity that the graph covers, for padding (a graph
+        from before per-row positions has none, and then holds one slot); even_rows: run every
+        call on an even number of rows (see `forward_rows`)."""
+        if slots > 1 and not margin:
+            raise SpecrtError(
+                f"{graph}: this graph shares one cache length across the batch (built before "
+                "per-row positions); rebuild the bundle with this specrt to serve batches"
+            )
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.intra_op_num_threads = threads or default_threads()
@@ -111,24 +120,32 @@ class OrtEngine(BufferCache):
             raise SpecrtError(f"{graph}: ONNX Runtime cannot load this graph: {err}") from err
         first = providers[0] if isinstance(providers[0], str) else providers[0][0]
         self.device = DEVICE_OF_PROVIDER.get(first, "cpu")
-        self.vocab_size = vocab_size
-        self.even_rows = even_rows
-        self.capacity = capacity - 1 if even_rows else capacity  # room for the padding row
-        self._length = 0
+        self.vocab_size, self.slots, self.even_rows = vocab_size, slots, even_rows
+        # Without a margin, an even_rows padding token needs a position inside the capacity.
+        self.capacity = capacity - 1 if even_rows and not margin else capacity
+        self._positions_held = capacity + margin
+        self._lengths = [0] * slots
         self._binding = self.session.io_binding()
         types = {i.name: i.type for i in self.session.get_inputs()}
         types.update({o.name: o.type for o in self.session.get_outputs()})
-        cache_type = FLOAT_TYPES[types["past_key_values.0.key"]]
+        self._cache_type = FLOAT_TYPES[types["past_key_values.0.key"]]
         self._logits_type = FLOAT_TYPES[types["logits"]]
-        shape = [1, num_kv_heads, capacity, head_dim]
-        for i in range(num_layers):
-            for kind in ("key", "value"):
-                buffer = ort.OrtValue.ortvalue_from_shape_and_type(shape, cache_type, self.device)
-                self._binding.bind_ortvalue_input(f"past_key_values.{i}.{kind}", buffer)
-                self._binding.bind_ortvalue_output(f"present.{i}.{kind}", buffer)
-        self._mask = np.ones((1, capacity), np.int64)
-        self._positions = np.arange(capacity, dtype=np.int64)[None]
-        self._logits = np.empty((1, 16, vocab_size), self._logits_type)
+        self._row_shape = [num_kv_heads, self._positions_held, head_dim]
+        self._caches = [
+            self._zeros([slots, *self._row_shape], f"past_key_values.{i}.{kind}")
+            for i in range(num_layers)
+            for kind in ("key", "value")
+        ]
+        self._bound_rows = 0
+        self._mask = np.ones((slots, self._positions_held), np.int64)
+        self._logits = np.empty(slots * 16 * vocab_size, self._logits_type)  # grows as needed
+
+    def _zeros(self, shape: list[int], name: str) -> tuple[str, ort.OrtValue, np.ndarray]:
+        """A zeroed cache buffer. Rows shorter than a batched call's longest read keys past
+        their own length (masked out, weight 0), and 0 times uninitialised memory that happens
+        to hold a NaN would still be NaN."""
+        host = np.zeros(shape, self._cache_type)  # a CPU OrtValue uses this memory: keep it
+        return name, ort.OrtValue.ortvalue_from_numpy(host, self.device, 0), host
 
     @classmethod
     def from_bundle(
@@ -152,34 +169,89 @@ class OrtEngine(BufferCache):
             head_dim=r.dim("head_dim"),
             vocab_size=r.dim("vocab_size"),
             capacity=bundle.max_context,
+            margin=bundle.cache_margin if bundle.per_row_positions else 0,
             **options,
         )
 
     def forward(self, tokens: Sequence[int], last: int | None = None) -> np.ndarray:
-        """Run the new tokens; with even_rows, an odd count gets one padding row after them.
+        return self.forward_rows([(0, tokens)], last)[0]
 
-        ONNX Runtime's MatMulNBits kernels (int8/int4) take activation rows in pairs and give an
-        odd last row to a one-row kernel whose results differ (measured on the int4 1.5B target:
-        up to 0.3 in a logit). A position's logits would then depend on how calls are cut, and
-        a verify call of K+1 tokens would not reproduce one-token decoding. With every call even,
-        every row goes through the pair kernel. The padding row sits after the real ones, so no
-        real row attends to it, and its cache entry is overwritten by the next call; it costs
-        one position of context and, on these kernels, next to no time (2 rows ≈ 1 row).
+    def forward_rows(self, rows: Sequence[RowCall], last: int | None = None) -> list[np.ndarray]:
+        """One call over slots 0..n-1, n past the highest slot asked for. Each row's tokens go
+        first and padding after (at its next positions, which no real token attends to and its
+        next call overwrites); a slot below n that was not asked for gets one padding token and
+        keeps its length.
+
+        With even_rows the call carries an even number of rows in all. ONNX Runtime's
+        MatMulNBits kernels (int8/int4) take activation rows in pairs and give an odd last row to
+        a one-row kernel whose results differ (measured on the int4 1.5B target: up to 0.3 in a
+        logit). A position's logits would then depend on how calls are cut and batched, and a
+        verify call of K+1 tokens would not reproduce one-token decoding. With every call even,
+        every row goes through the pair kernel; a padding row costs next to no time (2 rows ≈ 1).
         """
-        count = len(tokens)
-        keep = check_room(self, count, last)
-        pad = int(self.even_rows and count % 2 == 1)
-        start, end = self._length, self._length + count
-        ids = np.asarray([*tokens, *tokens[-1:] * pad], dtype=np.int64)[None]
+        keeps = {slot: self._check(slot, tokens, last) for slot, tokens in rows}
+        if len(keeps) < len(rows):
+            raise ValueError("a batched call names a slot twice")
+        calls = dict(rows)
+        n = max(calls) + 1
+        width = max(len(tokens) for tokens in calls.values())
+        width += int(self.even_rows and n * width % 2 == 1)
+        ids = np.zeros((n, width), np.int64)
+        positions = np.asarray(self._lengths[:n], np.int64)[:, None] + np.arange(width)
+        for slot, tokens in calls.items():
+            ids[slot, : len(tokens)] = tokens
+            ids[slot, len(tokens) :] = tokens[-1]
+        total = int(positions[:, -1].max()) + 1
+        if total > self._positions_held:
+            raise SpecrtError(
+                f"a call {width} tokens wide does not fit the cache margin of "
+                f"{self._positions_held - self.capacity} positions"
+            )
+        # Row b keeps logits [count - keep, count); one slice of the call covers every row.
+        skip = min(len(calls[slot]) - keep for slot, keep in keeps.items())
+        kept = width - skip
+        out = self._run(ids, positions, total, kept)
+        for slot, tokens in calls.items():
+            self._lengths[slot] += len(tokens)
+        return [
+            out[slot, len(calls[slot]) - keeps[slot] - skip : len(calls[slot]) - skip].astype(
+                np.float32
+            )
+            for slot, _ in rows
+        ]
+
+    def _check(self, slot: int, tokens: Sequence[int], last: int | None) -> int:
+        check_slot(self, slot)
+        return check_room(self, len(tokens), last, slot)
+
+    def _run(self, ids: np.ndarray, positions: np.ndarray, total: int, kept: int) -> np.ndarray:
+        n = ids.shape[0]
         bind = self._binding
+        if n != self._bound_rows:  # the first n rows of each cache buffer, in place
+            for name, buffer, _ in self._caches:
+                for bind_at, bound in ((bind.bind_input, name), (bind.bind_output, _present(name))):
+                    bind_at(
+                        bound,
+                        self.device,
+                        0,
+                        self._cache_type,
+                        [n, *self._row_shape],
+                        buffer.data_ptr(),
+                    )
+            self._bound_rows = n
         bind.bind_cpu_input("input_ids", ids)
-        bind.bind_cpu_input("attention_mask", self._mask[:, : end + pad])
-        bind.bind_cpu_input("position_ids", self._positions[:, start : end + pad])
-        bind.bind_cpu_input("logits_to_keep", np.array([keep + pad], dtype=np.int64))
-        if keep + pad > self._logits.shape[1]:
-            self._logits = np.empty((1, keep + pad, self.vocab_size), self._logits_type)
-        out = self._logits[:, : keep + pad]
+        bind.bind_cpu_input("attention_mask", self._mask[:n, :total])
+        bind.bind_cpu_input("position_ids", positions)
+        bind.bind_cpu_input("logits_to_keep", np.array([kept], dtype=np.int64))
+        size = n * kept * self.vocab_size
+        if size > self._logits.size:
+            self._logits = np.empty(size, self._logits_type)
+        out = self._logits[:size].reshape(n, kept, self.vocab_size)
         bind.bind_output("logits", "cpu", 0, self._logits_type, list(out.shape), out.ctypes.data)
         self.session.run_with_iobinding(bind)
-        self._length = end
-        return out[0, :keep].astype(np.float32)
+        return out
+
+
+def _present(past_name: str) -> str:
+    """past_key_values.N.kind -> present.N.kind"""
+    return past_name.replace("past_key_values", "present")

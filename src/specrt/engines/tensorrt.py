@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from specrt.bundle import Bundle
-from specrt.engines.base import BufferCache, check_room
+from specrt.engines.base import BufferCache, OneSlot, check_room
 from specrt.errors import SpecrtError
 from specrt.profiles import Profile, profiles_from_manifest, select_profile
 
@@ -92,7 +92,7 @@ def _import():
     return trt, cudart
 
 
-class TrtEngine(BufferCache):
+class TrtEngine(OneSlot, BufferCache):
     def __init__(
         self,
         plan: Path,
@@ -118,7 +118,7 @@ class TrtEngine(BufferCache):
         self.profiles = profiles
         self.vocab_size, self.capacity = vocab_size, capacity
         self._dims = dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim)
-        self._length, self._parity = 0, 0
+        self._lengths, self._parity = [0], 0
         self._contexts: dict[int, object] = {}
         self._allocations: list[int] = []
         self._stream = _cuda(self._cudart.cudaStreamCreate())
@@ -169,7 +169,7 @@ class TrtEngine(BufferCache):
         plan = call_plan(
             self.profiles,
             count=len(tokens),
-            start=self._length,
+            start=self._lengths[0],
             keep=keep,
             parity=self._parity,
             capacity=self.capacity,
@@ -203,7 +203,7 @@ class TrtEngine(BufferCache):
         self._copy(out.ctypes.data, self._device_logits, out.nbytes, "cudaMemcpyDeviceToHost")
         _cuda(self._cudart.cudaStreamSynchronize(self._stream))
         self._parity = 1 - plan.read
-        self._length += len(tokens)
+        self._lengths[0] += len(tokens)
         return out.astype(np.float32)
 
     def close(self) -> None:

@@ -14,12 +14,12 @@ import torch
 from transformers import DynamicCache
 
 from specrt.bundle import Bundle
-from specrt.engines.base import check_rollback, check_room
+from specrt.engines.base import OneSlot, check_rollback, check_room, check_slot
 from specrt.errors import BundleError
 from specrt.sources import Source, load_model
 
 
-class TorchEngine:
+class TorchEngine(OneSlot):
     def __init__(self, model, capacity: int, *, threads: int | None = None):
         if threads:
             torch.set_num_threads(threads)
@@ -43,10 +43,16 @@ class TorchEngine:
     def length(self) -> int:
         return self.cache.get_seq_length()
 
-    def reset(self) -> None:
+    @property
+    def lengths(self) -> list[int]:
+        return [self.length]
+
+    def reset(self, slot: int = 0) -> None:
+        check_slot(self, slot)
         self.cache = DynamicCache(config=self.model.config)
 
-    def rollback(self, length: int) -> None:
+    def rollback(self, length: int, slot: int = 0) -> None:
+        check_slot(self, slot)
         check_rollback(self, length)
         if length < self.length:  # transformers >= 5 crops by a negative count of tokens
             self.cache.crop(length - self.length)

@@ -19,7 +19,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from specrt import __version__
-from specrt.bundle import FORMAT_VERSION, MANIFEST, ROLES, check_pair
+from specrt.bundle import CACHE_MARGIN, FORMAT_VERSION, MANIFEST, ROLES, check_pair
 from specrt.errors import SpecrtError
 from specrt.exporter.check import check_graph, compare_converted
 from specrt.exporter.graph import write_graph
@@ -142,6 +142,7 @@ def build_bundle(
             "versions": _versions(),
             "max_context": max_context,
             "max_draft": max_draft,
+            "kv_cache": {"positions": "per_row", "margin": CACHE_MARGIN},
             "profiles": {p.name: p.as_dict() for p in plan.profiles},
             "eos_token_ids": eos["target"],  # the target decides when text ends
             "chat_template": tokenizers["target"].chat_template,
@@ -179,7 +180,7 @@ def _export_role(
         f"[{role}] exporting ONNX graph ({model.config.model_type}, "
         f"{model.config.num_hidden_layers} layers)"
     )
-    shape = write_graph(model, float32, max_context)
+    shape = write_graph(model, float32, max_context + CACHE_MARGIN)
     log(f"[{role}] checking the graph against PyTorch")
     check = check_graph(model, float32 / "model.onnx", shape)
     log(

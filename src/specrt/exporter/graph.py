@@ -6,20 +6,23 @@ a cache that is preallocated once and updated in place.
 
 I/O follows the optimum / GenAI naming so other tools recognise it:
 
-    input_ids            int64 [batch, sequence]           new tokens (1 for decode, K+1 to verify)
-    attention_mask       int64 [batch, total]              total = past length + sequence
-    position_ids         int64 [batch, sequence]
+    input_ids            int64 [batch, sequence]           new tokens per row (K+1 to verify)
+    attention_mask       int64 [batch, total]              total = the longest row's past + new
+    position_ids         int64 [batch, sequence]           each new token's position in its row
     logits_to_keep       int64 [1]                         score only the last n new positions
     past_key_values.N.key|value  float [batch, kv_heads, capacity, head_dim]
  -> logits               float [batch, n, vocab]
     present.N.key|value  float [batch, kv_heads, capacity, head_dim]
 
 The one difference from optimum's concat graphs: past and present are the same preallocated
-buffer of `capacity` positions (the bundle's max context). New keys/values are scattered in at
-positions [total - sequence, total); attention reads positions [0, total). Bind each present
-output to its past input's buffer and ONNX Runtime updates it in place (no copy of the cache per
-step); rolling back is only a smaller `total` on the next call. `logits_to_keep` lets a prefill
-skip the vocabulary projection for every prompt position but the last.
+buffer (the bundle's max context plus a margin for padding). A token's position is its cache
+index: each new key/value is scattered in at its own position_ids entry, and a token at
+position p attends to its row's keys 0..p. Rows therefore keep their own lengths in one batch:
+a row with fewer new tokens than the call is padded after its real ones (at the next positions,
+which no real token sees and its next call overwrites). Bind each present output to its past
+input's buffer and ONNX Runtime updates it in place (no copy of the cache per step); rolling a
+row back is only smaller positions on its next call. `logits_to_keep` lets a prefill skip the
+vocabulary projection for every prompt position but the last.
 """
 
 from __future__ import annotations
@@ -165,7 +168,8 @@ def _rope_tables(model, capacity: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def write_graph(model, out_dir: Path, capacity: int) -> ModelShape:
-    """Write model.onnx and model.onnx.data into out_dir; return the model's shape."""
+    """Write model.onnx and model.onnx.data into out_dir; return the model's shape. capacity:
+    the positions the rotary tables cover (the cache's, margin included)."""
     shape = model_shape(model.config)
     heads, kv, hd = shape.num_heads, shape.num_kv_heads, shape.head_dim
     rep = heads // kv
@@ -173,28 +177,23 @@ def write_graph(model, out_dir: Path, capacity: int) -> ModelShape:
     inner = model.model
     with open(out_dir / "model.onnx.data", "wb") as handle:
         b = _Builder(ExternalData(handle, "model.onnx.data"))
-        # Shapes: S new tokens, T total (past + new), P = T - S already cached.
+        # Shapes: S new tokens, T total (the longest row's past + new). Each row's token s sits
+        # at position_ids[b, s], which is also its cache index (rows have their own lengths).
         ids_shape = b.op("Shape", "input_ids")
         batch = b.op("Slice", ids_shape, b.const([0]), b.const([1]))
         seq = b.op("Slice", ids_shape, b.const([1]), b.const([2]))
         total = b.op("Slice", b.op("Shape", "attention_mask"), b.const([1]), b.const([2]))
-        past = b.op("Sub", total, seq)
-        scalar = b.const([0])
-        q_pos = b.op(
-            "Range", b.op("Squeeze", past, scalar), b.op("Squeeze", total, scalar), b.const(1)
-        )
-        k_pos = b.op("Range", b.const(0), b.op("Squeeze", total, scalar), b.const(1))
+        k_pos = b.op("Range", b.const(0), b.op("Squeeze", total, b.const([0])), b.const(1))
 
-        # Additive mask [B, 1, 1, S, T]: causal by buffer position, and padding from the mask.
+        # Additive mask [B, 1, 1, S, T]: key t is seen by a token at position p when t <= p
+        # (its row's own prefix and its earlier new tokens) and the attention mask allows it.
         causal = b.op(
             "LessOrEqual",
-            b.op("Unsqueeze", k_pos, b.const([0])),
-            b.op("Unsqueeze", q_pos, b.const([1])),
+            b.op("Unsqueeze", k_pos, b.const([0, 1])),
+            b.op("Unsqueeze", "position_ids", b.const([2])),
         )
-        keep = b.op(
-            "Cast", b.op("Unsqueeze", "attention_mask", b.const([1, 2])), to=TensorProto.BOOL
-        )
-        allowed = b.op("Unsqueeze", b.op("And", causal, keep), b.const([1]))
+        keep = b.op("Cast", b.op("Unsqueeze", "attention_mask", b.const([1])), to=TensorProto.BOOL)
+        allowed = b.op("Unsqueeze", b.op("And", causal, keep), b.const([1, 2]))
         mask = b.op(
             "Where",
             allowed,
@@ -202,9 +201,9 @@ def write_graph(model, out_dir: Path, capacity: int) -> ModelShape:
             b.const(np.finfo(np.float32).min, np.float32),
         )
 
-        # Where this call's keys/values go in the cache buffer: positions [P, T).
+        # Where this call's keys/values go in the cache buffer: each token at its own position.
         kv_shape = b.op("Concat", batch, b.const([kv]), seq, b.const([hd]), axis=0)
-        scatter_at = b.op("Expand", b.op("Reshape", q_pos, b.const([1, 1, -1, 1])), kv_shape)
+        scatter_at = b.op("Expand", b.op("Unsqueeze", "position_ids", b.const([1, 3])), kv_shape)
         grouped_scores = b.op("Concat", batch, b.const([kv, rep]), seq, total, axis=0)
         flat_scores = b.op("Concat", batch, b.const([kv, -1]), total, axis=0)
 

@@ -1,15 +1,32 @@
-"""Controllers: K climbs with an agreeing draft, falls with a disagreeing one, obeys load and
-room, and drafting stops early when the draft is unsure."""
+"""Controllers: K climbs with an agreeing draft, falls with a disagreeing one and as the batch
+grows, obeys room, and drafting stops early when the draft is unsure."""
 
 from __future__ import annotations
 
 import pytest
 
 from specrt.runtime import SpeculativeRuntime
-from specrt.runtime.controller import Adaptive, Fixed, Heuristic, RoundContext, make_controller
+from specrt.runtime.controller import (
+    PROBE_AFTER,
+    Adaptive,
+    Fixed,
+    Heuristic,
+    RoundContext,
+    decide_round,
+    decide_together,
+    make_controller,
+)
 from specrt.runtime.costs import StepCosts
 
 PROMPT = "def fibonacci(n):"
+
+
+def _observe(policy: Adaptive, k: int, accepted: int, draft_s: float, verify_s: float) -> None:
+    """What a round of one request tells its policy and the shared costs."""
+    policy.observe(k, accepted)
+    if k:
+        policy.costs.observe_draft(draft_s, k)
+    policy.costs.observe_verify(k + 1, verify_s)
 
 
 @pytest.fixture(scope="module")
@@ -32,12 +49,12 @@ def test_k_climbs_to_k_max_when_the_draft_always_agrees(agree):
 
 def test_adaptive_climbs_to_k_max_when_every_draft_is_accepted():
     """Deterministic costs (the loop's own are wall-clock): a cheap draft, a flat curve."""
-    costs = StepCosts(draft_step=0.001, verify={n: 0.010 for n in range(1, 10)})
+    costs = StepCosts(draft={1: 0.001}, verify={n: 0.010 for n in range(1, 10)})
     policy = Adaptive(k_max=8, costs=costs)
     ks = []
     for _ in range(12):
         k = policy.decide(RoundContext(k_max=8, position=20)).k
-        policy.observe(k, k, 0.001 * k, 0.010)
+        _observe(policy, k, k, 0.001 * k, 0.010)
         ks.append(k)
     assert ks[-6:] == [8] * 6 and ks[0] < 8
 
@@ -50,11 +67,20 @@ def test_adaptive_on_an_always_agreeing_draft(agree):
     assert result.stats.tokens_per_target_call > 1.5
 
 
-@pytest.mark.parametrize("controller", ["heuristic", "adaptive"])
-def test_k_falls_to_k_min_when_the_draft_never_agrees(disagree, controller):
-    result = disagree.generate(PROMPT, max_new_tokens=60, controller=controller, ignore_eos=True)
+def test_k_falls_to_k_min_when_the_draft_never_agrees(disagree):
+    result = disagree.generate(PROMPT, max_new_tokens=60, controller="heuristic", ignore_eos=True)
     assert result.stats.accepted == 0
     assert result.stats.ks[-6:-1] == [1] * 5  # the last round is capped by the budget
+
+
+def test_adaptive_stops_drafting_when_the_draft_never_agrees(disagree):
+    """K = 0 (the target alone) beats any K once acceptance is near 0; a draft is still tried
+    now and then, so a draft that starts agreeing is noticed."""
+    result = disagree.generate(PROMPT, max_new_tokens=80, ignore_eos=True)
+    ks = result.stats.ks
+    assert result.stats.accepted == 0
+    assert ks[-30:].count(0) >= 25 and 1 in ks[-30:]
+    assert any("probing" in reason for reason in result.stats.reasons)
 
 
 def test_adaptive_explains_each_decision(agree_bundle):
@@ -69,12 +95,13 @@ def test_calibrated_costs_are_used_from_the_first_round(agree):
     costs = agree.costs
     assert sorted(costs.verify) == list(range(1, agree.bundle.max_draft + 2))
     assert costs.draft_step > 0 and all(t > 0 for t in costs.verify.values())
+    assert sorted(costs.draft) == [1]  # one slot: draft steps of one row
     stats = agree.generate(PROMPT, max_new_tokens=20, ignore_eos=True).stats
     assert "c_verify(K)/c_verify(0)=" in stats.reasons[0]
 
 
 def _policy_with(verify: dict[int, float], alpha: float) -> Adaptive:
-    return Adaptive(k_max=8, costs=StepCosts(draft_step=0.01, verify=verify), prior_alpha=alpha)
+    return Adaptive(k_max=8, costs=StepCosts(draft={1: 0.01}, verify=verify), prior_alpha=alpha)
 
 
 def test_a_steep_verify_curve_means_shorter_speculation():
@@ -90,7 +117,7 @@ def test_a_steep_verify_curve_means_shorter_speculation():
 
 
 def test_verify_cost_interpolates_and_extrapolates_the_measured_curve():
-    costs = StepCosts(draft_step=0.01, verify={1: 0.10, 3: 0.14, 5: 0.30})
+    costs = StepCosts(draft={1: 0.01}, verify={1: 0.10, 3: 0.14, 5: 0.30})
     assert costs.verify_cost(3) == 0.14
     assert costs.verify_cost(2) == pytest.approx(0.12)  # between 1 and 3
     assert costs.verify_cost(4) == pytest.approx(0.22)  # between 3 and 5
@@ -103,19 +130,56 @@ def test_verify_cost_interpolates_and_extrapolates_the_measured_curve():
     assert costs.verify_cost(1) == pytest.approx(0.7 * 0.10 + 0.3 * 0.20)
 
 
-def test_load_caps_k(agree):
-    idle = agree.generate(PROMPT, max_new_tokens=60, ignore_eos=True)
-    busy = agree.generate(PROMPT, max_new_tokens=60, ignore_eos=True, load=3)
-    assert max(busy.stats.ks) <= 8 // (1 + 3) < max(idle.stats.ks)
-    assert "load 3 caps K at 2" in busy.stats.reasons[0]
-    assert busy.token_ids == idle.token_ids
+def _batch_costs() -> StepCosts:
+    """A float32-like machine: up to 8 rows cost one weight pass, then compute adds 12.5 ms a
+    row; a draft step costs 10 ms for one row and a little more per extra row."""
+    verify = {n: 0.1 + 0.0125 * max(0, n - 8) for n in range(1, 160)}
+    return StepCosts(draft={1: 0.010, 2: 0.011, 4: 0.012, 8: 0.015, 16: 0.020}, verify=verify)
+
+
+def test_k_falls_as_the_batch_grows():
+    """The same requests, the same acceptance: only the batch size changes, and with it the
+    verify call's rows. K = 0 wins once each extra row costs compute."""
+    costs = _batch_costs()
+    chosen = {}
+    for size in (1, 2, 4, 8, 16):
+        policies = [Adaptive(costs=costs, prior_alpha=0.7) for _ in range(size)]
+        contexts = [RoundContext(k_max=8, position=50)] * size
+        decisions = decide_together(policies, contexts, costs)
+        assert len({d.k for d in decisions}) == 1  # one K for the batch
+        chosen[size] = decisions[0].k
+        assert (f"batch {size}: " in decisions[0].reason) == (size > 1)
+    ks = [chosen[size] for size in (1, 2, 4, 8, 16)]
+    assert ks == sorted(ks, reverse=True) and ks[0] >= 3 and ks[-1] == 0, chosen
+
+
+def test_each_request_keeps_its_own_room_and_fixed_requests_pad_the_call():
+    costs = _batch_costs()
+    policies = [Adaptive(costs=costs), Adaptive(costs=costs), Fixed(6)]
+    contexts = [RoundContext(8, 50), RoundContext(1, 50), RoundContext(8, 50)]
+    decisions = decide_round(policies, contexts, costs)
+    assert decisions[2].k == 6  # a fixed request decides alone
+    assert decisions[1].k <= 1  # room for one draft only
+    # The call is 7 tokens wide anyway (the fixed request): drafting up to it costs little.
+    assert decisions[0].k >= 4
+
+
+def test_a_request_without_drafts_is_probed_now_and_then():
+    costs = _batch_costs()
+    policy = Adaptive(costs=costs, prior_alpha=0.01)
+    ctx = RoundContext(k_max=8, position=50)
+    for _ in range(PROBE_AFTER):
+        assert policy.decide(ctx).k == 0
+        policy.observe(0, 0)
+    decision = policy.decide(ctx)
+    assert decision.k == 1 and "probing" in decision.reason
 
 
 def test_long_context_halves_k():
     policy = Adaptive(k_max=8, long_context=100)
     assert policy.decide(RoundContext(k_max=8, position=50)).k == 4  # warming up
     for _ in range(3):
-        policy.observe(8, 8, draft_s=0.008, verify_s=0.011)
+        _observe(policy, 8, 8, draft_s=0.008, verify_s=0.011)
     assert policy.decide(RoundContext(k_max=8, position=50)).k == 8
     decision = policy.decide(RoundContext(k_max=8, position=500))
     assert decision.k == 4 and "long context" in decision.reason
@@ -124,11 +188,11 @@ def test_long_context_halves_k():
 def test_adaptive_prefers_short_k_when_drafts_are_expensive():
     policy = Adaptive(k_max=8)
     for k in (2, 6):
-        policy.observe(k, k // 2, draft_s=k * 0.09, verify_s=0.1 + 0.001 * k)
+        _observe(policy, k, k // 2, draft_s=k * 0.09, verify_s=0.1 + 0.001 * k)
     assert policy.decide(RoundContext(k_max=8, position=10)).k <= 2
     cheap = Adaptive(k_max=8)
     for k in (2, 6):
-        cheap.observe(k, k, draft_s=k * 0.005, verify_s=0.1 + 0.001 * k)
+        _observe(cheap, k, k, draft_s=k * 0.005, verify_s=0.1 + 0.001 * k)
     assert cheap.decide(RoundContext(k_max=8, position=10)).k == 8
 
 
@@ -144,7 +208,7 @@ def test_heuristic_and_fixed_respect_room():
     assert Fixed(6).decide(RoundContext(k_max=2, position=0)).k == 2
     policy = Heuristic(k_max=8, start=8)
     assert policy.decide(RoundContext(k_max=3, position=0)).k == 3
-    policy.observe(3, 1, 0.0, 0.0)
+    policy.observe(3, 1)
     assert policy.k == 7
 
 

@@ -5,8 +5,9 @@ of the next 4 tokens (8^4 sequences) is computable from the target alone. 20,000
 through the speculative loop (the first token from the prefill, then rounds of up to K = 2
 drafts, so acceptance, residual and bonus draws all occur) must fit it, for a good draft and a
 bad one, under temperature, top-k and top-p, and for lookup (n-gram) drafts, which are point
-masses. The same test must fail when the residual rule is broken, or when a lookup draft is
-taken for certain, or it would prove nothing.
+masses, and for a request sampled inside a batch beside another request. The same test must
+fail when the residual rule is broken, or when a lookup draft is taken for certain, or it would
+prove nothing.
 """
 
 from __future__ import annotations
@@ -19,13 +20,15 @@ from scipy.stats import chisquare
 
 import specrt.runtime.acceptance as acceptance
 import specrt.runtime.speculative as speculative
+from specrt.bundle import CACHE_MARGIN
 from specrt.engines.onnxruntime import OrtEngine
 from specrt.exporter.graph import write_graph
 from specrt.exporter.tiny import make_tiny_pair
 from specrt.runtime.controller import Adaptive, Fixed
+from specrt.runtime.costs import StepCosts
 from specrt.runtime.drafters import ModelDrafter, NgramDrafter
 from specrt.runtime.sampling import SamplingParams, probabilities
-from specrt.runtime.speculative import LoopStats, Request, speculate
+from specrt.runtime.speculative import Request, prefill, speculate
 
 VOCAB, NEW, SAMPLES, CAPACITY = 8, 4, 20_000, 16
 PROMPT = [1, 5, 3]
@@ -43,7 +46,7 @@ def _engine(folder, out, head_scale: float = 1.0) -> OrtEngine:
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     model.lm_head.weight.data *= head_scale
     out.mkdir()
-    shape = write_graph(model, out, CAPACITY)
+    shape = write_graph(model, out, CAPACITY + CACHE_MARGIN)
     return OrtEngine(
         out / "model.onnx",
         num_layers=shape.num_layers,
@@ -51,6 +54,8 @@ def _engine(folder, out, head_scale: float = 1.0) -> OrtEngine:
         head_dim=shape.head_dim,
         vocab_size=VOCAB,
         capacity=CAPACITY,
+        margin=CACHE_MARGIN,
+        slots=2,
         threads=1,
     )
 
@@ -81,17 +86,27 @@ def exact_distribution(target: OrtEngine, params: SamplingParams) -> np.ndarray:
     return joint.ravel()
 
 
-def sample_counts(drafter, target, params, controller_factory, seed=0):
-    """Histogram of SAMPLES speculative 4-token outputs, and the draft's acceptance rate."""
+def sample_counts(drafter, target, params, controller_factory, seed=0, neighbour=None):
+    """Histogram of SAMPLES speculative 4-token outputs, and the draft's acceptance rate.
+
+    neighbour: a function of the rng giving another request that runs in the same rounds, in
+    the slot before this one (its own parameters, drafts and K)."""
     rng = np.random.default_rng(seed)
     counts = np.zeros(VOCAB**NEW)
     weights = VOCAB ** np.arange(NEW - 1, -1, -1)
-    stats = LoopStats()
+    costs, drafted, accepted = StepCosts(), 0, 0
     for _ in range(SAMPLES):
-        request = Request(PROMPT, params, NEW, rng)
-        blocks = speculate(drafter, target, request, controller_factory(), stats)
-        counts[int(np.dot([t for block in blocks for t in block], weights))] += 1
-    return counts, stats.accepted / stats.drafted
+        request = Request(PROMPT, params, NEW, rng, controller_factory(), drafter, slot=1)
+        batch = [request] if neighbour is None else [neighbour(rng), request]
+        for r in batch:
+            prefill(r, target)
+        while live := [r for r in batch if r.room(target.capacity) >= 0]:
+            step = speculate(live, target, costs)
+            if request in live:
+                drafted += step.drafted[live.index(request)]
+                accepted += step.accepted[live.index(request)]
+        counts[int(np.dot(request.seq[len(PROMPT) :][:NEW], weights))] += 1
+    return counts, accepted / drafted
 
 
 def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
@@ -171,3 +186,23 @@ def test_the_test_catches_a_point_mass_taken_for_certain(engines, monkeypatch):
         NgramDrafter(min_n=1, max_n=2), engines["target"], params, lambda: Fixed(2)
     )
     assert chi_square_p(counts, exact) < 1e-6
+
+
+def test_a_request_sampled_inside_a_batch_keeps_the_target_distribution(engines):
+    """Beside it, a request with other sampling parameters, a lookup drafter, its own K and
+    budget shares every draft and verify call; the first request's output must not care."""
+    params = PARAMS["top_k"]
+    exact = exact_distribution(engines["target"], params)
+
+    def neighbour(rng):
+        other = SamplingParams(temperature=0.7)
+        return Request([2, 6, 2, 6], other, 6, rng, Fixed(1), NgramDrafter(min_n=1), slot=0)
+
+    counts, _ = sample_counts(
+        ModelDrafter(engines["good"]),
+        engines["target"],
+        params,
+        lambda: Fixed(2),
+        neighbour=neighbour,
+    )
+    assert chi_square_p(counts, exact) > 1e-3

@@ -478,28 +478,72 @@ def test_the_embedding_example_serves(bundle, reference, monkeypatch):
         assert status == 400 and "max_new_tokens must be >= 1" in reply["detail"]
 
 
-def test_the_queue_depth_reaches_the_controller_as_load(bundle, reference):
-    """Below HTTP, like the 504 test: a request that starts with one waiting behind it is
-    told load 1, and the adaptive policy caps K for it (K_max 8 // (1 + 1) = 4)."""
-    server = Server(ServeSettings(bundle=bundle, model_name="tiny"), reference)
+@pytest.fixture(scope="module")
+def batched(bundle) -> SpeculativeRuntime:
+    return SpeculativeRuntime.load(bundle, calibrate=False, slots=4)
 
-    async def scenario() -> list[str]:
+
+def test_concurrent_requests_are_batched_and_each_equals_its_run_alone(bundle, reference, batched):
+    """8 clients x 2 requests (greedy, with and without speculation, different lengths) over
+    4 slots: requests join and leave the batch between rounds, and every output equals the
+    same request run alone."""
+    prompts = [f"{PROMPTS[i % 3]} {i}" for i in range(8)]
+    options = [
+        {"max_tokens": 12 + 5 * i, "speculation": "off" if i % 4 == 3 else None} for i in range(8)
+    ]
+    want = {
+        p: reference.generate(p, max_new_tokens=o["max_tokens"]).text
+        for p, o in zip(prompts, options, strict=True)
+    }
+    settings = ServeSettings(bundle=bundle, model_name="tiny", max_batch=4, timeout=120)
+    with serving(settings, batched) as (base, _):
+        api = client(base, timeout=60)
+
+        def one_client(prompt: str, option: dict) -> list[bool]:
+            extra = {"speculation": option["speculation"]} if option["speculation"] else {}
+            return [
+                api.completions.create(
+                    model="tiny",
+                    prompt=prompt,
+                    max_tokens=option["max_tokens"],
+                    extra_body=extra,
+                    **GREEDY,
+                )
+                .choices[0]
+                .text
+                == want[prompt]
+                for _ in range(2)
+            ]
+
+        with ThreadPoolExecutor(8) as pool:
+            same = [x for out in pool.map(one_client, prompts, options, timeout=240) for x in out]
+        values = metric_values(base)
+    assert same == [True] * 16
+    rounds = values["specrt:batch_size_count", ()]
+    alone = values["specrt:batch_size_bucket", (("le", "1.0"),)]
+    assert rounds > alone > 0  # rounds of several requests, and some alone
+
+
+def test_a_queued_request_joins_the_running_batch(bundle, batched):
+    """Below HTTP: a short request submitted while a long one runs is admitted into the next
+    free slot between rounds and advances beside it (its rounds were batches of 2)."""
+    server = Server(ServeSettings(bundle=bundle, model_name="tiny", max_batch=4), batched)
+
+    async def scenario():
         server.start()
-        ahead = Job(reference.stream(PROMPTS[0], max_new_tokens=900, ignore_eos=True))
-        server.worker.submit(ahead)
-        first, second = (
-            Job(reference.stream(p, max_new_tokens=8, controller="adaptive")) for p in PROMPTS[1:]
-        )
-        server.worker.submit(first)
-        server.worker.submit(second)
-        ahead.cancel()
-        event = await first.events.get()
+        long = Job(batched.stream(PROMPTS[0], max_new_tokens=300, ignore_eos=True))
+        server.worker.submit(long)
+        await long.events.get()  # the long one is running
+        short = Job(batched.stream(PROMPTS[1], max_new_tokens=20, ignore_eos=True))
+        server.worker.submit(short)
+        event = await short.events.get()
         while not isinstance(event, Done):
-            event = await first.events.get()
-        return event.result.stats.reasons
+            event = await short.events.get()
+        long.cancel()
+        return event.result.stats
 
     try:
-        reasons = asyncio.run(scenario())
+        stats = asyncio.run(scenario())
     finally:
         server.stop()
-    assert "load 1 caps K at 4" in reasons[0]
+    assert stats.batch_sizes and set(stats.batch_sizes) == {2}

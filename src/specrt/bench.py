@@ -29,8 +29,8 @@ import numpy as np
 from specrt.bundle import Bundle
 from specrt.files import write_json_atomic
 from specrt.runtime import SpeculativeRuntime
-from specrt.runtime.api import per_token_latencies
 from specrt.runtime.costs import measure_costs
+from specrt.runtime.generation import per_token_latencies
 from specrt.runtime.text import TextTokenizer
 
 FIXED_KS = (1, 2, 4, 6, 8)

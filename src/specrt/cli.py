@@ -424,6 +424,9 @@ def bench(
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
 @click.option("--port", default=8000, show_default=True)
+@click.option(
+    "--max-batch", default=8, show_default=True, help="Requests advanced together (slots)."
+)
 @click.option("--max-queue", default=32, show_default=True, help="Waiting requests; then 429.")
 @click.option(
     "--timeout",
@@ -456,6 +459,7 @@ def serve(
     bundle,
     host,
     port,
+    max_batch,
     max_queue,
     timeout,
     controller,
@@ -482,6 +486,8 @@ def serve(
         make_controller(controller, loaded.max_draft)
     if drafter in ("model", "hybrid") and not loaded.has_draft:
         raise SpecrtError(f"--drafter {drafter} needs a draft model; {bundle} has none")
+    if max_batch < 1:
+        raise SpecrtError(f"--max-batch must be >= 1, got {max_batch}")
     if max_queue < 1:
         raise SpecrtError(
             f"--max-queue must be >= 1 (the running request waits there), got {max_queue}"
@@ -490,6 +496,7 @@ def serve(
         bundle=bundle,
         host=host,
         port=port,
+        max_batch=max_batch,
         max_queue=max_queue,
         timeout=timeout or None,
         controller=controller,

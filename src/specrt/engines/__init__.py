@@ -19,6 +19,9 @@ def load_engine(bundle: Bundle, role: str, backend: str = "onnxruntime", **optio
         from specrt.engines.onnxruntime import OrtEngine
 
         return OrtEngine.from_bundle(bundle, role, backend, **options)
+    if options.get("slots", 1) > 1 and not backend.startswith("onnxruntime"):
+        raise SpecrtError(f"batching (slots > 1) needs an onnxruntime backend, not {backend}")
+    options.pop("slots", None)
     if backend == "tensorrt":
         from specrt.engines.tensorrt import TrtEngine
 

@@ -1,6 +1,15 @@
 """The lean runtime: numpy, onnxruntime and tokenizers only (no torch, no transformers)."""
 
-from specrt.runtime.api import Generation, Result, SpeculativeRuntime, Stats
+from specrt.runtime.api import SpeculativeRuntime
+from specrt.runtime.generation import Generation, Result, Stats
 from specrt.runtime.sampling import SamplingParams
+from specrt.runtime.scheduler import Scheduler
 
-__all__ = ["Generation", "Result", "SamplingParams", "SpeculativeRuntime", "Stats"]
+__all__ = [
+    "Generation",
+    "Result",
+    "SamplingParams",
+    "Scheduler",
+    "SpeculativeRuntime",
+    "Stats",
+]

@@ -1,18 +1,22 @@
 """How many tokens to draft each round: `fixed:K`, `heuristic`, or `adaptive` (the default).
 
-A controller sees what the loop measured (accepted counts, draft and verify seconds) and the
-caller's signals (remaining budget, context position, server load), and answers with K and a
-reason, so every choice is explainable in the stats.
+A controller sees what the loop measured (accepted counts) and the round's signals (what the
+drafter offers, budget and context room, the batch), and answers with K and a reason, so every
+choice is explainable in the stats.
 
-The adaptive policy maximises expected tokens per second. With per-token acceptance α, a round
-of K drafts emits E = (1 - α^(K+1)) / (1 - α) tokens and costs K·c_draft + c_verify(K); α decays
-toward recent rounds of this request, while c_draft and the c_verify curve come from `StepCosts`,
-which the runtime measures at load and shares across requests (costs belong to the machine, the
-acceptance to the request).
+The adaptive policy maximises expected tokens per second for the whole batch. With per-token
+acceptance α, a request drafting K tokens emits E = (1 - α^(K+1)) / (1 - α) tokens a round; a
+round of B requests costs the draft steps for the rows that draft plus one verify call of
+B·(K+1) rows. α decays toward recent rounds of each request, while both cost curves come from
+`StepCosts`, measured on this machine and shared across requests (costs belong to the machine,
+acceptance to the request). K = 0 (the target alone) is a choice like any other: as the batch
+grows, the verify call turns compute-bound and extra rows stop being free (SmartSpec, Liu et
+al. 2024, picks K from 0 per round the same way). At batch 1 this is the single-stream policy.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,12 +24,13 @@ import numpy as np
 from specrt.errors import SpecrtError
 from specrt.runtime.costs import StepCosts
 
+PROBE_AFTER = 16  # rounds at K = 0 after which an adaptive request drafts one token again
+
 
 @dataclass(frozen=True)
 class RoundContext:
-    k_max: int  # the bundle's K_max, further capped by budget and context room
+    k_max: int  # the most drafts this request can take now: its offer, budget, context room
     position: int  # tokens in the sequence so far (prompt + emitted)
-    load: int = 0  # queue depth / concurrent requests the caller reports
     source: str = "model"  # who drafts this round: "model", "ngram", ... (see drafters)
 
 
@@ -47,7 +52,7 @@ class Fixed:
         k = min(self.k, ctx.k_max)
         return Decision(k, "fixed" if k == self.k else f"fixed, capped to room {ctx.k_max}")
 
-    def observe(self, k: int, accepted: int, draft_s: float, verify_s: float) -> None:
+    def observe(self, k: int, accepted: int) -> None:
         pass
 
 
@@ -63,7 +68,7 @@ class Heuristic:
         k = min(self.k, ctx.k_max)
         return Decision(k, f"heuristic K={self.k}" + ("" if k == self.k else f", room {k}"))
 
-    def observe(self, k: int, accepted: int, draft_s: float, verify_s: float) -> None:
+    def observe(self, k: int, accepted: int) -> None:
         if k == 0:
             return
         step = 2 if accepted == k else -1
@@ -76,10 +81,11 @@ class Adaptive:
 
     Acceptance is kept per draft source (the draft model, a lookup), since one request may be
     served by both and they accept very differently; a source's draft cost is K model steps,
-    or one lookup whatever K (see `StepCosts`).
+    or nothing for a lookup (see `StepCosts`). In a batch, the adaptive requests choose one K
+    together (`decide_together`); alone, `decide` is that choice for a batch of one.
     """
 
-    k_min: int = 1
+    k_min: int = 0
     k_max: int = 8
     decay: float = 0.9  # per observed token: the estimate follows the last ~10 drafts
     prior_alpha: float = 0.7
@@ -89,6 +95,7 @@ class Adaptive:
     costs: StepCosts = field(default_factory=StepCosts)  # shared by the runtime's requests
     counts: dict[str, list[float]] = field(init=False, default_factory=dict)  # [acc., rej.]
     source: str = field(init=False, default="model")  # of the round being decided
+    idle: int = field(init=False, default=0)  # rounds in a row without drafting
 
     def alpha(self, source: str = "model") -> float:
         """Acceptance per drafted token: the geometric MLE over recent, decayed observations."""
@@ -99,52 +106,98 @@ class Adaptive:
         prior = [self.prior_alpha * self.prior_weight, (1 - self.prior_alpha) * self.prior_weight]
         return self.counts.setdefault(source, prior)
 
-    def decide(self, ctx: RoundContext) -> Decision:
-        self.source = source = ctx.source
-        cap, why = min(self.k_max, ctx.k_max), []
-        if ctx.load > 0:
-            cap = min(cap, max(self.k_min, self.k_max // (1 + ctx.load)))
-            why.append(f"load {ctx.load} caps K at {cap}")
+    def cap(self, ctx: RoundContext) -> tuple[int, str]:
+        """The most drafts this request takes this round, and why it is lower than K_max."""
+        cap = min(self.k_max, ctx.k_max)
         if ctx.position > self.long_context:
             cap = min(cap, max(self.k_min, self.k_max // 2))
-            why.append(f"long context caps K at {cap}")
-        if cap <= self.k_min:
-            return Decision(cap, "; ".join(why + [f"room for {cap} only"]))
-        if not self.costs.ready_for(source):
-            k = min(cap, max(self.k_min, 4))
-            why.append(f"warming up ({source} alpha={self.alpha(source):.2f})")
-            return Decision(k, "; ".join(why))
-        alpha = min(self.alpha(source), 0.999)
-        candidates = range(self.k_min, cap + 1)
-        rates = [self._rate(k, alpha) for k in candidates]
-        k = candidates[int(np.argmax(rates))]
-        draft_share = self._draft(k) / self._verify(0)
-        why.append(
-            f"{source} alpha={alpha:.2f} c_draft(K)/c_verify={draft_share:.2f} "
-            f"c_verify(K)/c_verify(0)={self._verify(k) / self._verify(0):.2f} "
-            f"-> {max(rates):.1f} tok/s"
-        )
-        return Decision(k, "; ".join(why))
+            return cap, f"long context caps K at {cap}; "
+        return cap, ""
 
-    def _verify(self, k: int) -> float:
-        return self.costs.verify_cost(k + 1)  # K drafts are verified with K+1 new tokens
+    def decide(self, ctx: RoundContext) -> Decision:
+        return decide_together([self], [ctx], self.costs)[0]
 
-    def _draft(self, k: int) -> float:
-        return self.costs.draft_cost(self.source, k)
-
-    def _rate(self, k: int, alpha: float) -> float:
-        tokens = (1 - alpha ** (k + 1)) / (1 - alpha)
-        return tokens / (self._draft(k) + self._verify(k))
-
-    def observe(self, k: int, accepted: int, draft_s: float, verify_s: float) -> None:
+    def observe(self, k: int, accepted: int) -> None:
+        self.idle = 0 if k else self.idle + 1
         if k > 0:
             counts = self._counts(self.source)
             rejected = 1 if accepted < k else 0  # drafts after a rejection are never judged
             fade = self.decay ** (accepted + rejected)
             counts[0] = fade * counts[0] + accepted
             counts[1] = fade * counts[1] + rejected
-            self.costs.observe_draft(self.source, draft_s, k)
-        self.costs.observe_verify(k + 1, verify_s)
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens a round emits with k drafts at per-token acceptance alpha (the bonus included)."""
+    return (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def decide_round(policies: Sequence, contexts: Sequence[RoundContext], costs: StepCosts):
+    """Each request's K for one round of a batch: fixed and heuristic policies (and a caller's
+    own) choose alone, and the adaptive ones choose together, knowing the others' K."""
+    alone = {
+        i: policy.decide(ctx)
+        for i, (policy, ctx) in enumerate(zip(policies, contexts, strict=True))
+        if not isinstance(policy, Adaptive)
+    }
+    joint = [i for i in range(len(policies)) if i not in alone]
+    decisions = dict(alone)
+    if joint:
+        together = decide_together(
+            [policies[i] for i in joint],
+            [contexts[i] for i in joint],
+            costs,
+            others=[d.k for d in alone.values()],
+        )
+        decisions.update(zip(joint, together, strict=True))
+    return [decisions[i] for i in range(len(policies))]
+
+
+def decide_together(
+    policies: Sequence[Adaptive],
+    contexts: Sequence[RoundContext],
+    costs: StepCosts,
+    others: Sequence[int] = (),
+) -> list[Decision]:
+    """One K for the adaptive requests of a batch (each capped by its own room), maximising
+    the batch's expected tokens per second; `others` are the K of the batch's other requests,
+    which pad the verify call and emit at least one token each."""
+    for policy, ctx in zip(policies, contexts, strict=True):
+        policy.source = ctx.source
+    caps, notes = zip(*(p.cap(c) for p, c in zip(policies, contexts, strict=True)), strict=True)
+    lows = [min(p.k_min, cap) for p, cap in zip(policies, caps, strict=True)]
+    sources = [c.source for c in contexts]
+    if not all(costs.ready_for(source) for source in sources):
+        return [
+            Decision(min(cap, max(low, 4)), f"{note}warming up ({s} alpha={p.alpha(s):.2f})")
+            for p, cap, low, note, s in zip(policies, caps, lows, notes, sources, strict=True)
+        ]
+    alphas = [min(p.alpha(s), 0.999) for p, s in zip(policies, sources, strict=True)]
+    batch = len(policies) + len(others)
+    best = None
+    for k in range(max(caps) + 1):
+        ks = [min(max(k, low), cap) for low, cap in zip(lows, caps, strict=True)]
+        width = max([*ks, *others]) + 1
+        model = [kk for kk, s in zip(ks, sources, strict=True) if s == "model" and kk]
+        draft = costs.draft_cost("model", max(model, default=0), len(model))
+        verify = costs.verify_cost(batch * width)
+        tokens = len(others) + sum(map(expected_tokens, alphas, ks))
+        rate = tokens / (draft + verify)
+        if best is None or rate > best[0]:
+            best = (rate, ks, draft, verify)
+    rate, ks, draft, verify = best
+    base = costs.verify_cost(batch)  # the batch's call at K = 0
+    shares = f"c_draft(K)/c_verify={draft / base:.2f} c_verify(K)/c_verify(0)={verify / base:.2f}"
+    size = f"batch {batch}: " if batch > 1 else ""
+    decisions = []
+    for policy, k, cap, note, s, alpha in zip(
+        policies, ks, caps, notes, sources, alphas, strict=True
+    ):
+        why = f"{size}{note}{s} alpha={alpha:.2f} {shares} -> {rate:.1f} tok/s"
+        if k == 0 and cap > 0 and policy.idle >= PROBE_AFTER:
+            k, why = 1, f"{why}; probing acceptance after {policy.idle} rounds without drafts"
+        decisions.append(Decision(k, why))
+    return decisions
 
 
 def make_controller(
@@ -179,8 +232,8 @@ def make_controller(
         raise _bad(f"unknown controller {spec!r}; use fixed:K, heuristic or adaptive")
     if high == 0:
         return Fixed(0)
-    low = max(low, 1)
     if name == "heuristic":
+        low = max(low, 1)
         return Heuristic(k_min=low, k_max=high, start=int(np.clip(4, low, high)))
     return Adaptive(k_min=low, k_max=high, costs=costs or StepCosts())
 

@@ -1,15 +1,18 @@
-"""What a draft step and a verify call cost on this machine, as a function of new tokens.
+"""What a draft step and a verify call cost on this machine, by the rows they carry.
 
 Costs belong to the engines and the machine, not to one request, so one `StepCosts` lives on the
-runtime and every request's adaptive policy reads and refines it. The verify curve is measured,
-not modelled: weight-streaming float32 kernels make a 9-token call cost ~1.5x a 1-token call,
-while int4 kernels that are compute-bound for more than one row make it 3x or more, and no single
-formula fits both. `measure_costs` measures every count the runtime can use once at load time; each
-round then refines the count it used (EWMA). Counts never measured are interpolated linearly
-between measured neighbours, or extrapolated from the last two. A call with more tokens never
-costs less than one with fewer (it could be padded), so a count is never priced above a larger
-count's measurement: on a shared machine one noisy sample would otherwise price a K out of
-reach for good, since only the K the policy picks get measured again.
+runtime and every round reads and refines it. A call's cost is priced by its rows: a verify call
+of B requests with K drafts each carries B·(K+1) rows (padding included), a draft step one row
+per drafting request. Both curves are measured, not modelled: weight-streaming float32 kernels
+make a 9-row call cost ~1.5x a 1-row call, int4 kernels that are compute-bound past one row 3x or
+more, and no single formula fits both. `measure_costs` measures a grid of batch shapes once at
+load; each round then refines the count it used (EWMA). Counts never measured are interpolated
+linearly between measured neighbours, or extrapolated from the last two. A call with more rows
+never costs less than one with fewer (it could be padded), so a count is never priced above a
+larger count's measurement: on a shared machine one noisy sample would otherwise price a K out
+of reach for good, since only the counts the policy picks get measured again.
+
+A lookup (n-gram, prediction) costs nothing next to a call (about 0.05 ms at 2,048 tokens).
 """
 
 from __future__ import annotations
@@ -25,85 +28,113 @@ PREFIX = 48  # tokens of context behind a calibration call, a typical short prom
 
 @dataclass
 class StepCosts:
-    """Seconds per draft-model step, per lookup (by drafter, whatever K), and per verify call
-    by its number of new tokens."""
+    """Seconds per draft-model step by its rows, and per verify call by its rows."""
 
-    draft_step: float | None = None
+    draft: dict[int, float] = field(default_factory=dict)
     verify: dict[int, float] = field(default_factory=dict)
-    lookup: dict[str, float] = field(default_factory=dict)
 
     def ready_for(self, source: str) -> bool:
-        """Whether a round drafted by source can be priced yet (a lookup costs ~0 until seen)."""
-        return bool(self.verify) and (source != "model" or self.draft_step is not None)
+        """Whether a round drafted by source can be priced yet."""
+        return bool(self.verify) and (source != "model" or bool(self.draft))
 
-    def draft_cost(self, source: str, k: int) -> float:
-        """Seconds to draft k tokens: k model steps, or one lookup."""
-        if source == "model":
-            return k * self.draft_step
-        return self.lookup.get(source, 0.0)
+    def draft_cost(self, source: str, k: int, rows: int = 1) -> float:
+        """Seconds to draft k tokens for `rows` requests at once: k model steps, or a lookup."""
+        return k * _price(self.draft, rows) if source == "model" and k else 0.0
 
-    def observe_draft(self, source: str, seconds: float, steps: int) -> None:
-        if source == "model":
-            self.draft_step = _blend(self.draft_step, seconds / steps)
-        else:
-            self.lookup[source] = _blend(self.lookup.get(source), seconds)
+    def verify_cost(self, rows: int) -> float:
+        """c_verify for a call of `rows` rows, from the measured curve."""
+        return _price(self.verify, rows)
 
-    def observe_verify(self, new_tokens: int, seconds: float) -> None:
-        self.verify[new_tokens] = _blend(self.verify.get(new_tokens), seconds)
+    def observe_draft(self, seconds: float, steps: int, rows: int = 1) -> None:
+        self.draft[rows] = _blend(self.draft.get(rows), seconds / steps)
 
-    def verify_cost(self, new_tokens: int) -> float:
-        """c_verify for a call with new_tokens tokens, from the measured curve."""
-        larger = [t for n, t in self.verify.items() if n > new_tokens]
-        return min([self._raw_cost(new_tokens), *larger])
-
-    def _raw_cost(self, new_tokens: int) -> float:
-        if new_tokens in self.verify:
-            return self.verify[new_tokens]
-        known = sorted(self.verify)
-        if len(known) == 1:
-            return self.verify[known[0]]
-        below = [n for n in known if n < new_tokens][-2:]
-        above = [n for n in known if n > new_tokens][:2]
-        if below and above:
-            a, b = below[-1], above[0]
-        else:
-            a, b = below if below else above
-        slope = (self.verify[b] - self.verify[a]) / (b - a)
-        return max(self.verify[a] + slope * (new_tokens - a), 1e-9)
+    def observe_verify(self, rows: int, seconds: float) -> None:
+        self.verify[rows] = _blend(self.verify.get(rows), seconds)
 
     def curve(self) -> dict[int, float]:
         return dict(sorted(self.verify.items()))
+
+    @property
+    def draft_step(self) -> float | None:
+        """One draft step of one row, as reported beside the verify curve."""
+        return _price(self.draft, 1) if self.draft else None
+
+
+def _price(curve: dict[int, float], rows: int) -> float:
+    larger = [t for n, t in curve.items() if n > rows]
+    return min([_interpolate(curve, rows), *larger])
+
+
+def _interpolate(curve: dict[int, float], rows: int) -> float:
+    if rows in curve:
+        return curve[rows]
+    known = sorted(curve)
+    if len(known) == 1:
+        return curve[known[0]]
+    below = [n for n in known if n < rows][-2:]
+    above = [n for n in known if n > rows][:2]
+    if below and above:
+        a, b = below[-1], above[0]
+    else:
+        a, b = below if below else above
+    slope = (curve[b] - curve[a]) / (b - a)
+    return max(curve[a] + slope * (rows - a), 1e-9)
 
 
 def _blend(old: float | None, new: float) -> float:
     return new if old is None else (1 - SMOOTHING) * old + SMOOTHING * new
 
 
-def measure_verify_curve(
-    engine: Engine, max_new_tokens: int, repeats: int = 2, prefix: int = PREFIX
+def batch_sizes(slots: int) -> list[int]:
+    """The batch sizes calibrated: 1, then powers of two up to the engine's slots, and all."""
+    sizes = {1, slots}
+    size = 2
+    while size < slots:
+        sizes.add(size)
+        size *= 2
+    return sorted(sizes)
+
+
+def measure_call_costs(
+    engine: Engine, widths: list[int], batches: list[int], repeats: int = 2
 ) -> dict[int, float]:
-    """Seconds of one call with 1..max_new_tokens new tokens after a `prefix`-token context
-    (the fastest of `repeats`: the machine is shared, and noise only ever adds time)."""
-    prefix = min(prefix, engine.capacity - max_new_tokens)
-    engine.reset()
-    engine.forward([1] * prefix, last=1)
-    curve = {}
-    for count in range(1, max_new_tokens + 1):
-        times = []
-        for _ in range(repeats):
-            engine.rollback(prefix)
-            start = time.perf_counter()
-            engine.forward([1] * count)
-            times.append(time.perf_counter() - start)
-        curve[count] = min(times)
-    engine.reset()
+    """Seconds of one call of B rows x S new tokens for each B in batches and S in widths, after
+    a `PREFIX`-token context in every row, keyed by rows B·S (the fastest of `repeats`: the
+    machine is shared, and noise only ever adds time; on a tie of rows the cheaper shape)."""
+    prefix = min(PREFIX, engine.capacity - max(widths))
+    for slot in range(max(batches)):
+        engine.reset(slot)
+        engine.forward_rows([(slot, [1] * prefix)], last=1)
+    curve: dict[int, float] = {}
+    for batch in batches:
+        for width in widths:
+            times = []
+            for _ in range(repeats):
+                for slot in range(batch):
+                    engine.rollback(prefix, slot)
+                start = time.perf_counter()
+                engine.forward_rows([(slot, [1] * width) for slot in range(batch)])
+                times.append(time.perf_counter() - start)
+            rows = batch * width
+            curve[rows] = min(curve.get(rows, float("inf")), *times)
+    for slot in range(max(batches)):
+        engine.reset(slot)
     return curve
 
 
-def measure_costs(draft: Engine | None, target: Engine, k_max: int, repeats: int = 2) -> StepCosts:
-    """Measure the target's verify curve for K = 0..k_max and the draft's step cost (a bundle
-    without a draft model speculates by lookup only: there is no step to measure)."""
-    costs = StepCosts(verify=measure_verify_curve(target, k_max + 1, repeats))
+def measure_costs(
+    draft: Engine | None, target: Engine, k_max: int, repeats: int = 2, slots: int = 1
+) -> StepCosts:
+    """Measure the verify curve (K = 0..k_max at batch 1; a few widths at each larger batch
+    size up to `slots`) and the draft step by batch size (a bundle without a draft model
+    speculates by lookup only: there is no step to measure)."""
+    batches = batch_sizes(slots)
+    verify = measure_call_costs(target, list(range(1, k_max + 2)), [1], repeats)
+    if slots > 1:
+        widths = sorted({1, 2, k_max // 2 + 1, k_max + 1})
+        for rows, seconds in measure_call_costs(target, widths, batches[1:], 1).items():
+            verify[rows] = min(seconds, verify.get(rows, seconds))
+    costs = StepCosts(verify=verify)
     if draft is not None:
-        costs.draft_step = measure_verify_curve(draft, 1, repeats)[1]
+        costs.draft = measure_call_costs(draft, [1], batches, repeats)
     return costs

@@ -6,7 +6,10 @@ so the controller can price the round before anything runs, then `propose` (up t
 each with the distribution it was drawn from). A distribution of None is a point mass: the
 token was chosen deterministically (greedy drafting, or a lookup), and rejection sampling treats
 it as q = one-hot(x), which keeps the target's distribution exactly. `rollback` says how many
-tokens of the sequence survived the round. The loop knows no more than this.
+tokens of the sequence survived the round. The loop knows no more than this, and one rule: an
+offer whose source is "model" is drafted by the drafter's `model` together with every other
+request's model draft, one batched draft call per step (`draft_together`); a lookup proposes
+alone, for free.
 """
 
 from __future__ import annotations
@@ -38,9 +41,10 @@ class Proposal:
 
 class Drafter(Protocol):
     name: str  # reported in the stats: model, ngram, hybrid, ...
+    model: ModelDrafter | None  # the draft model behind "model" offers (None: lookups only)
 
-    def start(self, prompt: Sequence[int]) -> None:
-        """A new sequence begins with this prompt."""
+    def start(self, prompt: Sequence[int], slot: int) -> None:
+        """A new sequence begins with this prompt, in this slot of the engines."""
 
     def offer(self, seq: Sequence[int], limit: int) -> Offer:
         """What this drafter can propose after seq, at most limit tokens."""
@@ -73,36 +77,62 @@ def draw(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, t
 
 
 class ModelDrafter:
-    """The bundle's draft model. Its cache holds a prefix of the sequence and catches up on the
-    rest before drafting, so rounds that another drafter served cost it nothing until then."""
+    """The bundle's draft model, in its own slot of the draft engine. Its cache holds a prefix of
+    the sequence and catches up on the rest before drafting, so rounds that another drafter
+    served cost it nothing until then."""
 
     name = "model"
 
     def __init__(self, engine: Engine):
-        self.engine = engine
+        self.engine, self.slot = engine, 0
+        self.model = self
 
-    def start(self, prompt: Sequence[int]) -> None:
-        self.engine.reset()
-        self.engine.forward(list(prompt), last=1)
+    def start(self, prompt: Sequence[int], slot: int) -> None:
+        self.slot = slot
+        self.engine.reset(slot)
+        self.engine.forward_rows([(self.slot, list(prompt))], last=1)
 
     def offer(self, seq: Sequence[int], limit: int) -> Offer:
         return Offer("model", limit)
 
     def propose(self, seq, k, params, rng, threshold) -> Proposal:
-        proposal = Proposal()
-        logits = self.engine.forward(list(seq[self.engine.length :]), last=1)[0]
-        while True:
-            token, probs, confidence = draw(logits, params, rng, threshold)
-            if proposal.tokens and confidence < threshold:
-                return proposal  # the draft is unsure: verifying now beats drafting on
-            proposal.tokens.append(token)
-            proposal.probs.append(probs)
-            if len(proposal.tokens) == k:
-                return proposal
-            logits = self.engine.forward([token])[0]
+        return draft_together([self], [seq], [k], [params], [rng], [threshold])[0]
 
     def rollback(self, length: int) -> None:
-        self.engine.rollback(min(self.engine.length, length))
+        self.engine.rollback(min(self.engine.lengths[self.slot], length), self.slot)
+
+
+def draft_together(
+    drafters: Sequence[ModelDrafter],
+    seqs: Sequence[Sequence[int]],
+    ks: Sequence[int],
+    params: Sequence[SamplingParams],
+    rngs: Sequence[np.random.Generator],
+    thresholds: Sequence[float],
+) -> list[Proposal]:
+    """Up to ks[i] tokens after seqs[i] for each request, one batched call of the draft model
+    per step. A request whose draft is done (k tokens, or the draft is unsure: verifying now
+    beats drafting on) sits out the remaining steps."""
+    engine = drafters[0].engine
+    proposals = [Proposal() for _ in drafters]
+    feeds = {
+        i: list(seq[d.engine.lengths[d.slot] :])
+        for i, (d, seq) in enumerate(zip(drafters, seqs, strict=True))
+    }
+    while feeds:
+        rows = engine.forward_rows([(drafters[i].slot, feed) for i, feed in feeds.items()], last=1)
+        for i, logits in zip(list(feeds), rows, strict=True):
+            token, probs, confidence = draw(logits[0], params[i], rngs[i], thresholds[i])
+            proposal = proposals[i]
+            if proposal.tokens and confidence < thresholds[i]:
+                del feeds[i]
+                continue
+            proposal.tokens.append(token)
+            proposal.probs.append(probs)
+            feeds[i] = [token]
+            if len(proposal.tokens) == ks[i]:
+                del feeds[i]
+    return proposals
 
 
 class NgramDrafter:
@@ -112,6 +142,7 @@ class NgramDrafter:
     where the output copies its input: edits, refactors, answers quoting a given text."""
 
     name = "ngram"
+    model = None
 
     def __init__(self, min_n: int = 2, max_n: int = 4, window: int = 4096):
         if not 1 <= min_n <= max_n:
@@ -121,7 +152,7 @@ class NgramDrafter:
         self.min_n, self.max_n, self.window = min_n, max_n, window
         self._found: list[int] = []
 
-    def start(self, prompt: Sequence[int]) -> None:
+    def start(self, prompt: Sequence[int], slot: int) -> None:
         self._found = []
 
     def offer(self, seq: Sequence[int], limit: int) -> Offer:
@@ -166,9 +197,9 @@ class HybridDrafter:
         self.model, self.ngram = model, ngram
         self._current: ModelDrafter | NgramDrafter = model
 
-    def start(self, prompt: Sequence[int]) -> None:
-        self.model.start(prompt)
-        self.ngram.start(prompt)
+    def start(self, prompt: Sequence[int], slot: int) -> None:
+        self.model.start(prompt, slot)
+        self.ngram.start(prompt, slot)
 
     def offer(self, seq: Sequence[int], limit: int) -> Offer:
         offer = self.ngram.offer(seq, limit)
@@ -201,8 +232,5 @@ def make_drafter(name, draft: Engine | None) -> Drafter:
             "--draft); use the ngram drafter",
             param="drafter",
         )
-    return (
-        ModelDrafter(draft)
-        if name == "model"
-        else HybridDrafter(ModelDrafter(draft), NgramDrafter())
-    )
+    model = ModelDrafter(draft)
+    return model if name == "model" else HybridDrafter(model, NgramDrafter())

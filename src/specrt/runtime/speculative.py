@@ -1,118 +1,141 @@
-"""The speculative decoding loop: draft K, verify K+1 in one target call, accept, roll back.
+"""The speculative round for a batch: draft K per request, verify every request in one target
+call, accept per request, roll each back to its own length.
 
-Invariant between rounds: `seq` holds the prompt and every emitted token; the target's cache
-holds all of seq but the last token (which the next verify call feeds first); a drafter with a
-cache (the draft model) holds a prefix of seq and catches up on the rest before drafting. After
-n of K drafts survive, the target keeps exactly seq + those n tokens and no drafter keeps a token
-that was not emitted. Which drafter proposes (a model, a lookup) is the drafter's business: the
-loop asks it for an offer, lets the controller pick K within it, and verifies what it proposes.
-The loop yields the tokens each round emits; the caller decides when to stop (EOS, stop strings,
-budget) and simply stops iterating.
+Invariant between rounds, per request: `seq` holds the prompt and every emitted token; the
+target's slot holds all of seq but the last token (which the next verify call feeds first); a
+drafter with a cache (the draft model) holds a prefix of seq and catches up on the rest before
+drafting. After n of a request's K drafts survive, its target slot keeps exactly seq + those n
+tokens and no drafter keeps a token that was not emitted. Requests in one round share nothing
+but the calls: each has its own K (within what the policies decide together), sampling
+parameters, random stream and drafter, and its rows never see another's (per-row cache
+positions), so its output is what it would be alone. Timing stays here only as far as the cost
+model needs it; stopping, text and statistics belong to the caller.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from specrt.engines.base import Engine
 from specrt.runtime.acceptance import verify_greedy, verify_sampled
-from specrt.runtime.controller import Decision, RoundContext
-from specrt.runtime.drafters import Drafter, Offer, Proposal, draw
+from specrt.runtime.controller import Decision, RoundContext, decide_round
+from specrt.runtime.costs import StepCosts
+from specrt.runtime.drafters import Drafter, Offer, Proposal, draft_together, draw
 from specrt.runtime.sampling import SamplingParams
 
-
-@dataclass
-class LoopStats:
-    """What the loop measured; the API adds timing of the whole request around it."""
-
-    rounds: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    target_calls: int = 0
-    draft_seconds: float = 0.0
-    verify_seconds: float = 0.0
-    prefill_seconds: float = 0.0
-    ks: list[int] = field(default_factory=list)  # per round: the K the controller chose
-    reasons: list[str] = field(default_factory=list)
-    sources: list[str] = field(default_factory=list)  # per round: model, ngram, none
-    drafted_counts: list[int] = field(default_factory=list)  # per round (< K if the draft stopped)
-    accepted_counts: list[int] = field(default_factory=list)  # per round
-
-    def record(
-        self, decision: Decision, source: str, drafted: int, accepted: int, draft_s, verify_s
-    ) -> None:
-        """One round's counts and times."""
-        self.rounds += 1
-        self.target_calls += 1
-        self.drafted += drafted
-        self.accepted += accepted
-        self.draft_seconds += draft_s
-        self.verify_seconds += verify_s
-        self.ks.append(decision.k)
-        self.reasons.append(decision.reason)
-        self.sources.append(source if drafted else "none")
-        self.drafted_counts.append(drafted)
-        self.accepted_counts.append(accepted)
+NONE = Offer("none", 0)  # a request without a drafter: the target alone
 
 
 @dataclass
 class Request:
+    """What one request asked for, and where its sequence stands."""
+
     prompt: list[int]
     params: SamplingParams
     max_new_tokens: int
     rng: np.random.Generator
-    load: int = 0
+    policy: object  # a controller (see controller.py): its K each round, its acceptance
+    drafter: Drafter | None  # None: the target alone
+    slot: int = 0  # its row in the engines' caches
+    seq: list[int] = field(default_factory=list)
+
+    def room(self, capacity: int) -> int:
+        """Drafts it can take now: K + 1 tokens go to the target, whose cache holds all of seq
+        but one; negative once the budget or the context is spent."""
+        produced = len(self.seq) - len(self.prompt)
+        return min(self.max_new_tokens - produced - 1, capacity - len(self.seq))
 
 
-def speculate(
-    drafter: Drafter | None, target: Engine, req: Request, controller, stats: LoopStats
-) -> Iterator[list[int]]:
-    """Yield each round's emitted tokens. With drafter=None the target decodes alone."""
-    target.reset()
-    start = time.perf_counter()
-    logits = target.forward(req.prompt, last=1)
-    stats.target_calls += 1
+@dataclass
+class Round:
+    """What one round did, per request (in the order given) and for the batch."""
+
+    decisions: list[Decision]
+    sources: list[str]  # who drafted: model, ngram, ... or none
+    drafted: list[int]
+    accepted: list[int]
+    emitted: list[list[int]]
+    draft_seconds: float
+    verify_seconds: float
+
+
+def prefill(req: Request, target: Engine) -> int:
+    """Start a request in its slot: the prompt in one call of its own, the first token drawn
+    from its last logits, and the drafter primed. Returns the first token."""
+    target.reset(req.slot)
+    logits = target.forward_rows([(req.slot, req.prompt)], last=1)[0]
     first, _, _ = draw(logits[0], req.params, req.rng, threshold=0.0)
-    stats.prefill_seconds = time.perf_counter() - start
-    seq = [*req.prompt, first]
-    yield [first]
-    if drafter is not None:  # here, so that round timings measure draft steps, not a prefill
-        start = time.perf_counter()
-        drafter.start(req.prompt)
-        stats.prefill_seconds += time.perf_counter() - start
-    produced = 1
-    while produced < req.max_new_tokens:
-        # K + 1 tokens go to the target, whose cache holds len(seq) - 1 already.
-        room = min(req.max_new_tokens - produced - 1, target.capacity - len(seq))
-        if room < 0:
-            return  # the context is full: the caller reports it
-        t0 = time.perf_counter()
-        offer = drafter.offer(seq, room) if drafter is not None else Offer("none", 0)
-        context = RoundContext(offer.available, len(seq), req.load, offer.source)
-        decision = controller.decide(context)
-        proposal = Proposal()
-        if decision.k > 0:
-            threshold = controller.confidence_threshold
-            proposal = drafter.propose(seq, decision.k, req.params, req.rng, threshold)
-        drafts = proposal.tokens
-        t1 = time.perf_counter()
-        logits = target.forward([seq[-1], *drafts])
-        if req.params.greedy:
-            accepted, extra = verify_greedy(drafts, logits)
-        else:
-            accepted, extra = verify_sampled(drafts, proposal.probs, logits, req.params, req.rng)
-        t2 = time.perf_counter()
+    req.seq = [*req.prompt, first]
+    if req.drafter is not None:
+        req.drafter.start(req.prompt, req.slot)
+    return first
 
-        emitted = [*drafts[:accepted], extra]
-        target.rollback(len(seq) + accepted)
-        if drafter is not None:
-            drafter.rollback(len(seq) + accepted)
-        seq.extend(emitted)
-        produced += len(emitted)
-        controller.observe(len(drafts), accepted, t1 - t0, t2 - t1)
-        stats.record(decision, offer.source, len(drafts), accepted, t1 - t0, t2 - t1)
-        yield emitted
+
+def speculate(reqs: list[Request], target: Engine, costs: StepCosts) -> Round:
+    """One round for every request given (each must have room >= 0)."""
+    t0 = time.perf_counter()
+    offers = [r.drafter.offer(r.seq, r.room(target.capacity)) if r.drafter else NONE for r in reqs]
+    contexts = [RoundContext(o.available, len(r.seq), o.source) for r, o in _pairs(reqs, offers)]
+    decisions = decide_round([r.policy for r in reqs], contexts, costs)
+    proposals = _propose(reqs, offers, decisions)
+    t1 = time.perf_counter()
+    logits = target.forward_rows(
+        [(r.slot, [r.seq[-1], *p.tokens]) for r, p in _pairs(reqs, proposals)]
+    )
+    t2 = time.perf_counter()
+    accepted, emitted = [], []
+    for r, p, scores in zip(reqs, proposals, logits, strict=True):
+        if r.params.greedy:
+            n, extra = verify_greedy(p.tokens, scores)
+        else:
+            n, extra = verify_sampled(p.tokens, p.probs, scores, r.params, r.rng)
+        target.rollback(len(r.seq) + n, r.slot)
+        if r.drafter is not None:
+            r.drafter.rollback(len(r.seq) + n)
+        r.seq.extend([*p.tokens[:n], extra])
+        r.policy.observe(len(p.tokens), n)
+        accepted.append(n)
+        emitted.append(r.seq[-n - 1 :])
+    drafted = [len(p.tokens) for p in proposals]
+    _observe_costs(costs, offers, drafted, t1 - t0, t2 - t1)
+    sources = [o.source if n else "none" for o, n in _pairs(offers, drafted)]
+    return Round(decisions, sources, drafted, accepted, emitted, t1 - t0, t2 - t1)
+
+
+def _pairs(first: list, second: list):
+    return zip(first, second, strict=True)
+
+
+def _propose(reqs: list[Request], offers: list[Offer], decisions: list[Decision]) -> list[Proposal]:
+    """Each request's drafts: lookups alone, model drafts for all requests together."""
+    proposals = [Proposal() for _ in reqs]
+    together = []
+    for i, (r, offer, decision) in enumerate(zip(reqs, offers, decisions, strict=True)):
+        if decision.k and offer.source == "model":
+            together.append(i)
+        elif decision.k:
+            threshold = r.policy.confidence_threshold
+            proposals[i] = r.drafter.propose(r.seq, decision.k, r.params, r.rng, threshold)
+    if together:
+        drafted = draft_together(
+            [reqs[i].drafter.model for i in together],
+            [reqs[i].seq for i in together],
+            [decisions[i].k for i in together],
+            [reqs[i].params for i in together],
+            [reqs[i].rng for i in together],
+            [reqs[i].policy.confidence_threshold for i in together],
+        )
+        for i, proposal in zip(together, drafted, strict=True):
+            proposals[i] = proposal
+    return proposals
+
+
+def _observe_costs(costs, offers, drafted, draft_s: float, verify_s: float) -> None:
+    """Refine the cost curves with what this round's calls took."""
+    costs.observe_verify(len(drafted) * (max(drafted) + 1), verify_s)
+    model = [n for o, n in zip(offers, drafted, strict=True) if o.source == "model" and n]
+    if model:
+        costs.observe_draft(draft_s, max(model), len(model))

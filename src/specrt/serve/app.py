@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 import time
 from contextlib import asynccontextmanager
@@ -20,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from specrt.bundle import Bundle
 from specrt.errors import SpecrtError
 from specrt.runtime import Generation, Result, SpeculativeRuntime
 from specrt.runtime.drafters import DRAFTERS
@@ -30,6 +32,8 @@ from specrt.serve.metrics import Metrics
 from specrt.serve.protocol import ChatRequest, CompletionRequest, Reply
 from specrt.serve.settings import ServeSettings
 from specrt.serve.worker import Delta, Done, Event, Failed, Job, Worker
+
+log = logging.getLogger("specrt.serve")
 
 
 class Server:
@@ -45,24 +49,33 @@ class Server:
     def start(self) -> None:
         """Load the engines (and calibrate) in the background; /health says when it is done."""
         if self.runtime is not None:
-            self.worker = Worker(self.settings.max_queue, self.metrics)
+            self.worker = self._worker(self.runtime)
             return
         threading.Thread(target=self._load, name="specrt-load", daemon=True).start()
 
     def _load(self) -> None:
         s = self.settings
         try:
+            slots = s.max_batch if s.backend.startswith("onnxruntime") else 1
+            if slots > 1 and not Bundle.load(s.bundle).per_row_positions:
+                log.warning(
+                    "%s was built before per-row cache positions: serving one request at a "
+                    "time; rebuild it with this specrt to batch",
+                    s.bundle,
+                )
+                slots = 1
             runtime = SpeculativeRuntime.load(
-                s.bundle,
-                backend=s.backend,
-                calibrate=s.calibrate,
-                threads=s.threads,
+                s.bundle, backend=s.backend, calibrate=s.calibrate, threads=s.threads, slots=slots
             )
         except Exception as err:  # reported by /health and every route, not a dead thread
             self.load_error = f"{type(err).__name__}: {err}"
             return
-        self.worker = Worker(s.max_queue, self.metrics)
+        self.worker = self._worker(runtime)
         self.runtime = runtime
+
+    def _worker(self, runtime: SpeculativeRuntime) -> Worker:
+        batch = min(self.settings.max_batch, runtime.slots)
+        return Worker(runtime, batch, self.settings.max_queue, self.metrics)
 
     def stop(self) -> None:
         if self.worker is not None:

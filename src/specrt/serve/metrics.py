@@ -81,6 +81,12 @@ class Metrics:
             buckets=tuple(range(k_max + 1)),
             registry=r,
         )
+        self.batch_size = Histogram(
+            P + "batch_size",
+            "Requests advanced together per round",
+            buckets=(1, 2, 4, 8, 16, 32, 64),
+            registry=r,
+        )
         self.no_speculation = Counter(
             P + "spec_decode_rounds_without_speculation",
             "Rounds run without a draft (K = 0, or speculation off)",

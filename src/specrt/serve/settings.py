@@ -12,7 +12,8 @@ class ServeSettings:
     bundle: Path
     host: str = "127.0.0.1"  # loopback unless told otherwise
     port: int = 8000
-    max_queue: int = 32  # requests waiting for the engines; past this, 429
+    max_batch: int = 8  # requests advanced together (engine slots); more wait in the queue
+    max_queue: int = 32  # requests waiting for a slot; past this, 429
     timeout: float | None = 600.0  # seconds a request may take in all, queue included
     controller: str = "adaptive"  # the default `speculation` of a request
     drafter: str | None = None  # model | ngram | hybrid; default: the runtime's

@@ -1,9 +1,10 @@
 """The one thread that owns the engines, and the bounded FIFO in front of it.
 
-The scheduling seam: the app builds a `Job` (a validated generation plus the channel its
-events go to), `submit`s it, and reads `Delta`, `Done` or `Failed` events from the job until
-one of the last two. Today the worker runs one generation at a time, to its end; a batched
-scheduler takes the same jobs and emits the same events, so the app does not change.
+The app builds a `Job` (a validated generation plus the channel its events go to), `submit`s
+it, and reads `Delta`, `Done` or `Failed` events from the job until one of the last two. The
+worker moves queued jobs into the runtime's `Scheduler` whenever it has a free slot (continuous
+batching: up to --max-batch requests advance together, round by round) and turns each step's
+progress into events.
 
 Engine calls never run on the event loop: the worker is an ordinary thread, and events cross to
 the loop through `call_soon_threadsafe`. A job's channel is unbounded (a generation's output is
@@ -22,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from specrt.errors import SpecrtError
-from specrt.runtime import Generation, Result
+from specrt.runtime import Generation, Result, Scheduler, SpeculativeRuntime
 from specrt.serve.errors import APIError
 from specrt.serve.metrics import Metrics
 
@@ -67,12 +68,16 @@ class Job:
 
 
 class Worker:
-    def __init__(self, max_queue: int, metrics: Metrics):
+    def __init__(
+        self, runtime: SpeculativeRuntime, max_batch: int, max_queue: int, metrics: Metrics
+    ):
+        self.runtime, self.max_batch = runtime, max_batch
         self.max_queue, self.metrics = max_queue, metrics
-        self._waiting: deque[Job] = deque()
+        self.scheduler = Scheduler(runtime.target, runtime.costs, max_batch)
+        self._waiting: deque[Job] = deque()  # submitted, not yet in the scheduler
+        self._jobs: dict[Generation, Job] = {}  # in the scheduler
         self._cond = threading.Condition()
         self._closed = False
-        self._running: Job | None = None
         self.failure: str | None = None  # set when an engine call fails unexpectedly
         self._service_seconds = 1.0  # recent time per request, for Retry-After
         self._thread = threading.Thread(target=self._run, name="specrt-engines", daemon=True)
@@ -88,7 +93,8 @@ class Worker:
                 raise APIError(503, "the server is shutting down", code="unavailable")
             if len(self._waiting) >= self.max_queue:
                 self.metrics.rejected.inc()
-                wait = max(1, round(self._service_seconds * (1 + len(self._waiting))))
+                turns = (1 + len(self._waiting)) / self.max_batch
+                wait = max(1, round(self._service_seconds * turns))
                 raise APIError(
                     429,
                     f"the server is busy: {len(self._waiting)} requests are waiting "
@@ -110,60 +116,82 @@ class Worker:
             return True
 
     def close(self, timeout: float = 30.0) -> None:
-        """Refuse queued jobs, stop the running one after its round, and join the thread."""
+        """Refuse queued jobs, stop the running ones after their round, and join the thread."""
         with self._cond:
             self._closed = True
             pending = list(self._waiting)
             self._waiting.clear()
             self._cond.notify_all()
-            running = self._running
+            running = list(self._jobs.values())
         for job in pending:
             job.emit(Failed(APIError(503, "the server is shutting down", code="unavailable")))
-        if running:
-            running.cancel("cancelled")
+        for job in running:
+            job.cancel("cancelled")
         self._thread.join(timeout)
 
-    def _next(self) -> Job | None:
+    def _admit(self) -> bool:
+        """Move queued jobs into free slots; False once the worker is closed and idle."""
         with self._cond:
-            while not self._waiting and not self._closed:
+            while not self._closed and not self._waiting and not self._jobs:
                 self._cond.wait()
-            if self._closed:
-                return None
-            job = self._waiting.popleft()
+            if self._closed and not self._jobs:
+                return False
+            while self._waiting and self.scheduler.has_room:
+                job = self._waiting.popleft()
+                job.queue_seconds = time.monotonic() - job.arrived
+                deadline = job.generation.deadline
+                if deadline is not None and time.monotonic() >= deadline:
+                    message = (
+                        f"the request waited {job.queue_seconds:.1f}s in the queue, "
+                        "past its timeout"
+                    )
+                    job.emit(Failed(APIError(504, message, code="timeout")))
+                    continue
+                self.scheduler.add(job.generation)
+                self._jobs[job.generation] = job
             self.metrics.waiting.set(len(self._waiting))
-            self._running = job
-            return job
+            return True
 
     def _run(self) -> None:
-        while (job := self._next()) is not None:
-            self.metrics.running.set(1)
+        while self._admit():
             try:
-                self._serve(job)
-            finally:
-                self._running = None
-                self.metrics.running.set(0)
+                step = self.scheduler.step()
+            except Exception as err:
+                self._fail_all(err)
+                continue
+            self.metrics.running.set(len(self.scheduler.running))
+            if step.batch:
+                self.metrics.batch_size.observe(step.batch)
+            for generation in step.moved:
+                self._report(generation)
 
-    def _serve(self, job: Job) -> None:
-        generation = job.generation
-        job.queue_seconds = time.monotonic() - job.arrived
-        if generation.deadline is not None and time.monotonic() >= generation.deadline:
-            message = f"the request waited {job.queue_seconds:.1f}s in the queue, past its timeout"
-            job.emit(Failed(APIError(504, message, code="timeout")))
-            return
-        try:
-            generation.request.load = self.depth
-            for delta in generation:
-                job.emit(Delta(delta))
-                generation.request.load = self.depth  # read again by the next round's policy
-        except SpecrtError as err:
-            job.emit(Failed(APIError.from_specrt(err)))
-            return
-        except Exception as err:  # an engine failed: report it, and mark the server unhealthy
+    def _report(self, generation: Generation) -> None:
+        job = self._jobs[generation]
+        delta = generation.take()
+        if delta:
+            job.emit(Delta(delta))
+        result = generation.result
+        if result is not None:
+            with self._cond:
+                del self._jobs[generation]
+            seconds = result.stats.total_seconds
+            self._service_seconds = 0.7 * self._service_seconds + 0.3 * seconds
+            self.metrics.record(result, job.queue_seconds)
+            job.emit(Done(result))
+
+    def _fail_all(self, err: Exception) -> None:
+        """A step failed: every request on the engines fails with it, and the slots start
+        afresh. A SpecrtError is the request's fault; anything else marks the server unhealthy."""
+        if isinstance(err, SpecrtError):
+            error = APIError.from_specrt(err)
+        else:
             log.exception("generation failed")
             self.failure = f"{type(err).__name__}: {err}"
-            job.emit(Failed(APIError(500, f"the engines failed: {self.failure}", code="engine")))
-            return
-        result = generation.result
-        self._service_seconds = 0.7 * self._service_seconds + 0.3 * result.stats.total_seconds
-        self.metrics.record(result, job.queue_seconds)
-        job.emit(Done(result))
+            error = APIError(500, f"the engines failed: {self.failure}", code="engine")
+        with self._cond:
+            failed = list(self._jobs.values())
+            self._jobs.clear()
+        for job in failed:
+            job.emit(Failed(error))
+        self.scheduler = Scheduler(self.runtime.target, self.runtime.costs, self.max_batch)
+        self.metrics.running.set(0)

@@ -1,0 +1,164 @@
+"""One request from start to result: its loop state, stop rules, timing and statistics.
+
+The scheduler advances a generation (`absorb` each round's tokens, `close` when it ends); the
+caller reads its text as it comes (`take`) and its `result` at the end. Iterating a generation
+serves it alone through the runtime that made it. Stopping lives here, not in the loop: EOS,
+stop strings and max_new_tokens may land anywhere in a round's accepted block, and the output
+is cut at that exact token and character.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+
+from specrt.runtime.speculative import Request, Round
+from specrt.runtime.stops import StopRules
+
+
+def per_token_latencies(token_times: Sequence[float], ttft: float) -> list[float]:
+    """Seconds per token after the first. A round emits its block of tokens at once, so each
+    token is charged the time since the previous block divided by the block's size (for
+    one-token decoding this is the usual inter-token latency)."""
+    latencies, previous, i = [], ttft, 0
+    times = token_times[1:]  # the first token is the time to first token, reported apart
+    while i < len(times):
+        j = i
+        while j < len(times) and times[j] == times[i]:
+            j += 1
+        latencies += [(times[i] - previous) / (j - i)] * (j - i)
+        previous, i = times[i], j
+    return latencies
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    ttft_seconds: float = 0.0
+    total_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    controller: str = ""
+    drafter: str = ""  # model, ngram, hybrid, or none (the target alone)
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    target_calls: int = 0
+    draft_seconds: float = 0.0  # of the rounds it took part in (shared with its batch)
+    verify_seconds: float = 0.0
+    ks: list[int] = field(default_factory=list)  # per round: the K the controller chose
+    reasons: list[str] = field(default_factory=list)
+    sources: list[str] = field(default_factory=list)  # per round: model, ngram, none
+    drafted_counts: list[int] = field(default_factory=list)  # per round (< K if the draft stopped)
+    accepted_counts: list[int] = field(default_factory=list)  # per round
+    batch_sizes: list[int] = field(default_factory=list)  # per round: requests in the round
+    token_times: list[float] = field(default_factory=list)  # seconds from start, per token
+
+    def record(self, step: Round, i: int) -> None:
+        """Request i's part in one round."""
+        self.rounds += 1
+        self.target_calls += 1
+        self.drafted += step.drafted[i]
+        self.accepted += step.accepted[i]
+        self.draft_seconds += step.draft_seconds
+        self.verify_seconds += step.verify_seconds
+        self.ks.append(step.decisions[i].k)
+        self.reasons.append(step.decisions[i].reason)
+        self.sources.append(step.sources[i])
+        self.drafted_counts.append(step.drafted[i])
+        self.accepted_counts.append(step.accepted[i])
+        self.batch_sizes.append(len(step.drafted))
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_target_call(self) -> float:
+        return self.new_tokens / self.target_calls if self.target_calls else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.total_seconds if self.total_seconds else 0.0
+
+    def token_latencies(self) -> list[float]:
+        return per_token_latencies(self.token_times, self.ttft_seconds)
+
+    def to_dict(self) -> dict:
+        derived = ("acceptance_rate", "tokens_per_target_call", "tokens_per_second")
+        return {**asdict(self), **{name: getattr(self, name) for name in derived}}
+
+
+@dataclass
+class Result:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "eos" | "stop" | "length" | "context" | "timeout" | "cancelled"
+    stats: Stats = field(repr=False)
+
+
+class Generation:
+    """One request: iterate for text deltas; `.result` is set once it ends.
+
+    Iterating drives the engines, so it belongs to one thread at a time. `cancel` may be called
+    from any thread: the generation ends after the round in flight, with that finish reason.
+    """
+
+    def __init__(self, runtime, request: Request, stops: StopRules, deadline: float | None = None):
+        self.runtime, self.request, self.stops = runtime, request, stops
+        self.deadline = deadline  # time.monotonic() past which the generation ends ("timeout")
+        self.cancelled: str | None = None
+        self.result: Result | None = None
+        drafter = request.drafter
+        self.stats = Stats(
+            prompt_tokens=len(request.prompt),
+            controller=type(request.policy).__name__,
+            drafter=drafter.name if drafter else "none",
+        )
+        self._start = time.perf_counter()
+
+    def __iter__(self) -> Iterator[str]:
+        return self.runtime.serve_alone(self)
+
+    def cancel(self, reason: str = "cancelled") -> None:
+        self.cancelled = self.cancelled or reason
+
+    def interrupted(self) -> str | None:
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            return "timeout"
+        return self.cancelled
+
+    @property
+    def stopped(self) -> bool:
+        """Whether its output has ended (EOS, a stop string, the budget, an interruption)."""
+        return self.stops.finish is not None
+
+    def begin(self) -> None:
+        """Its prefill starts now: times are measured from here."""
+        self._start = time.perf_counter()
+
+    def absorb(self, tokens: Sequence[int]) -> None:
+        """Take a round's emitted tokens, up to the one that ends the output."""
+        now = time.perf_counter() - self._start
+        if not self.stops.tokens:
+            self.stats.ttft_seconds = now
+        for token in tokens:
+            self.stats.token_times.append(now)
+            if self.stops.push(token):
+                break
+        reason = self.interrupted()
+        if reason:
+            self.stops.end(reason)
+
+    def take(self) -> str:
+        """Text that may be shown now and was not yet."""
+        return self.stops.release()
+
+    def close(self, reason: str = "context") -> None:
+        """End it (reason counts if nothing ended it before: the context is full, or it was
+        interrupted before it started) and set its result."""
+        self.stops.end(reason)
+        self.stats.total_seconds = time.perf_counter() - self._start
+        self.stats.new_tokens = len(self.stops.tokens)
+        self.result = Result(self.stops.text, self.stops.tokens, self.stops.finish, self.stats)

@@ -136,7 +136,8 @@ class OrtEngine(BufferCache):
             for i in range(num_layers)
             for kind in ("key", "value")
         ]
-        self._bound_rows = 0
+        self._row_bytes = int(np.prod(self._row_shape)) * np.dtype(self._cache_type).itemsize
+        self._bound_rows = (0, 0)  # (first slot, rows) the caches are bound for
         self._mask = np.ones((slots, self._positions_held), np.int64)
         self._logits = np.empty(slots * 16 * vocab_size, self._logits_type)  # grows as needed
 
@@ -177,10 +178,11 @@ class OrtEngine(BufferCache):
         return self.forward_rows([(0, tokens)], last)[0]
 
     def forward_rows(self, rows: Sequence[RowCall], last: int | None = None) -> list[np.ndarray]:
-        """One call over slots 0..n-1, n past the highest slot asked for. Each row's tokens go
-        first and padding after (at its next positions, which no real token attends to and its
-        next call overwrites); a slot below n that was not asked for gets one padding token and
-        keeps its length.
+        """One call over the slots from the lowest to the highest asked for (a slot's cache row
+        is contiguous, so any such range binds in place). Each row's tokens go first and
+        padding after (at its next positions, which no real token attends to and its next call
+        overwrites); a slot in the range that was not asked for gets padding only and keeps its
+        length.
 
         With even_rows the call carries an even number of rows in all. ONNX Runtime's
         MatMulNBits kernels (int8/int4) take activation rows in pairs and give an odd last row to
@@ -193,14 +195,15 @@ class OrtEngine(BufferCache):
         if len(keeps) < len(rows):
             raise ValueError("a batched call names a slot twice")
         calls = dict(rows)
-        n = max(calls) + 1
+        first, n = min(calls), max(calls) + 1 - min(calls)
         width = max(len(tokens) for tokens in calls.values())
         width += int(self.even_rows and n * width % 2 == 1)
         ids = np.zeros((n, width), np.int64)
-        positions = np.asarray(self._lengths[:n], np.int64)[:, None] + np.arange(width)
+        lengths = np.asarray(self._lengths[first : first + n], np.int64)
+        positions = lengths[:, None] + np.arange(width)
         for slot, tokens in calls.items():
-            ids[slot, : len(tokens)] = tokens
-            ids[slot, len(tokens) :] = tokens[-1]
+            ids[slot - first, : len(tokens)] = tokens
+            ids[slot - first, len(tokens) :] = tokens[-1]
         total = int(positions[:, -1].max()) + 1
         if total > self._positions_held:
             raise SpecrtError(
@@ -209,25 +212,27 @@ class OrtEngine(BufferCache):
             )
         # Row b keeps logits [count - keep, count); one slice of the call covers every row.
         skip = min(len(calls[slot]) - keep for slot, keep in keeps.items())
-        kept = width - skip
-        out = self._run(ids, positions, total, kept)
+        out = self._run(ids, positions, total, width - skip, first)
         for slot, tokens in calls.items():
             self._lengths[slot] += len(tokens)
         return [
-            out[slot, len(calls[slot]) - keeps[slot] - skip : len(calls[slot]) - skip].astype(
+            out[slot - first, len(tokens) - keeps[slot] - skip : len(tokens) - skip].astype(
                 np.float32
             )
-            for slot, _ in rows
+            for slot, tokens in rows
         ]
 
     def _check(self, slot: int, tokens: Sequence[int], last: int | None) -> int:
         check_slot(self, slot)
         return check_room(self, len(tokens), last, slot)
 
-    def _run(self, ids: np.ndarray, positions: np.ndarray, total: int, kept: int) -> np.ndarray:
+    def _run(
+        self, ids: np.ndarray, positions: np.ndarray, total: int, kept: int, first: int
+    ) -> np.ndarray:
         n = ids.shape[0]
         bind = self._binding
-        if n != self._bound_rows:  # the first n rows of each cache buffer, in place
+        if (first, n) != self._bound_rows:  # n cache rows from slot `first`, in place
+            offset = first * self._row_bytes
             for name, buffer, _ in self._caches:
                 for bind_at, bound in ((bind.bind_input, name), (bind.bind_output, _present(name))):
                     bind_at(
@@ -236,9 +241,9 @@ class OrtEngine(BufferCache):
                         0,
                         self._cache_type,
                         [n, *self._row_shape],
-                        buffer.data_ptr(),
+                        buffer.data_ptr() + offset,
                     )
-            self._bound_rows = n
+            self._bound_rows = (first, n)
         bind.bind_cpu_input("input_ids", ids)
         bind.bind_cpu_input("attention_mask", self._mask[:n, :total])
         bind.bind_cpu_input("position_ids", positions)

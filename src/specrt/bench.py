@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from specrt.bundle import Bundle
-from specrt.files import write_json_atomic
+from specrt.files import write_bytes_atomic, write_json_atomic
 from specrt.runtime import SpeculativeRuntime
 from specrt.runtime.costs import measure_costs
 from specrt.runtime.generation import per_token_latencies
@@ -502,20 +502,24 @@ def machine_info(threads: int | None) -> dict:
     }
 
 
-def write_report(result: dict, out: Path, stem: str, log: Log = print) -> list[Path]:
+def write_report(
+    result: dict, out: Path, stem: str, log: Log = print, render=None, draw=None
+) -> list[Path]:
     """JSON, a Markdown table and a PNG chart (without matplotlib, the bench extra, the chart
-    is skipped with a line saying so); returns the paths written."""
+    is skipped with a line saying so); returns the paths written. render and draw make the
+    table and the chart (default: this module's, for `specrt bench` results)."""
+    render, draw = render or markdown, draw or chart
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / f"{stem}.json", out / f"{stem}.md"]
     write_json_atomic(paths[0], result)
-    paths[1].write_text(markdown(result))
+    write_bytes_atomic(paths[1], render(result).encode())
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         log("chart skipped: matplotlib is not installed (pip install 'specrt[bench]')")
         return paths
     paths.append(out / f"{stem}.png")
-    chart(result, paths[2])
+    draw(result, paths[2])
     return paths
 
 

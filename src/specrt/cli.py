@@ -359,6 +359,11 @@ def demo(tiny: bool, max_new_tokens: int | None):
     "exactly --max-new-tokens.",
 )
 @click.option("--max-new-tokens", default=128, show_default=True)
+@click.option(
+    "--concurrency",
+    default=None,
+    help="Comma-separated client counts (e.g. 1,2,4,8,16): run the load benchmark instead.",
+)
 @click.option("--repeat", default=1, show_default=True, help="Runs per prompt.")
 @click.option("--only", default=None, help="Comma-separated configuration names to run.")
 @click.option("--threads", type=int, default=None, help="Threads for every engine.")
@@ -380,6 +385,7 @@ def bench(
     per_category,
     stop_at_eos,
     max_new_tokens,
+    concurrency,
     repeat,
     only,
     threads,
@@ -404,6 +410,16 @@ def bench(
     prompts = load_prompts(files, categories.split(",") if categories else None, per_category)
     if not prompts:
         raise SpecrtError("no prompts left: check --categories against the prompt files")
+    stem = name or Path(bundles[0]).resolve().name
+    if concurrency:
+        from specrt.concurrency import bench_concurrency
+
+        selected = only.split(",") if only else None
+        report = bench_concurrency(
+            bundles, prompts, concurrency, max_new_tokens, selected, threads, out, stem, _log
+        )
+        click.echo(report)
+        return
     result = run_bench(
         bundles,
         prompts,
@@ -415,7 +431,7 @@ def bench(
         stop_at_eos=stop_at_eos,
         log=_log,
     )
-    for path in write_report(result, out, name or Path(bundles[0]).resolve().name, log=_log):
+    for path in write_report(result, out, stem, log=_log):
         _log(f"wrote {path}")
     click.echo(markdown(result))
 

@@ -28,8 +28,11 @@ def _cached_bundle(path: Path, log: Log) -> bool:
     from specrt.errors import BundleError
 
     try:
-        Bundle.load(path)
+        bundle = Bundle.load(path)
     except BundleError:
+        return False
+    if not bundle.per_row_positions:
+        log(f"rebuilding {path}: it was built before per-row cache positions (batching)")
         return False
     log(f"reusing cached bundle {path}")
     return True

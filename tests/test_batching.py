@@ -88,3 +88,32 @@ def test_a_bundle_from_before_per_row_positions_serves_one_slot(bundles, tmp_pat
     assert OrtEngine.from_bundle(bundle, "target").slots == 1
     with pytest.raises(SpecrtError, match="rebuild the bundle"):
         OrtEngine.from_bundle(bundle, "target", slots=2)
+
+
+REQUESTS = [  # (prompt, options): drafters, controllers and budgets of every kind, mixed
+    ("def fibonacci(n):", {"max_new_tokens": 40}),
+    ("a b c a b c a b c a b", {"max_new_tokens": 30, "drafter": "ngram"}),
+    ("The quick brown fox", {"max_new_tokens": 25, "controller": "fixed:3"}),
+    ("import numpy as np\nimport numpy as np\n", {"max_new_tokens": 35, "drafter": "hybrid"}),
+    ("x = 1\ny = 2\n", {"max_new_tokens": 20, "speculate": False}),
+    ("for i in range(10):", {"max_new_tokens": 45, "controller": "heuristic"}),
+]
+
+
+def test_every_request_in_a_batch_gives_its_output_alone(bundles, precision_bundles):
+    """Six requests through 3 slots (joining and leaving between rounds) against each run alone:
+    greedy outputs must be identical, token for token, on a float32 and an int4 target."""
+    from specrt.runtime import Scheduler, SpeculativeRuntime
+
+    for bundle in (bundles["llama"], precision_bundles["d-int8_t-int4"]):
+        runtime = SpeculativeRuntime.load(bundle, slots=3, calibrate=False, threads=2)
+        alone = [runtime.generate(p, ignore_eos=True, **o).token_ids for p, o in REQUESTS]
+        scheduler = Scheduler(runtime.target, runtime.costs, slots=3)
+        generations = [runtime.stream(p, ignore_eos=True, **o) for p, o in REQUESTS]
+        for generation in generations:
+            scheduler.add(generation)
+        sizes = set()
+        while any(g.result is None for g in generations):
+            sizes.add(scheduler.step().batch)
+        assert [g.result.token_ids for g in generations] == alone
+        assert {2, 3} <= sizes  # rounds of several requests really ran

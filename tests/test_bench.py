@@ -113,3 +113,42 @@ def test_bench_reports_lookup_rows_per_category(bundles, tmp_path):
         assert all(c["speedup_vs_target_alone"] > 0 for c in row["categories"].values())
     assert rows["specrt_target_only"]["speedup_vs_target_alone"] == 1.0
     assert "Per category" in write_report(result, tmp_path, "cat")[1].read_text()
+
+
+def test_the_load_benchmark_reports_every_config_at_every_concurrency(precision_bundles, tmp_path):
+    """`specrt bench --concurrency` on a tiny int4 target: every configuration at every level,
+    with the figures the results file promises, and every output equal to its run alone."""
+    from click.testing import CliRunner
+
+    from specrt.cli import cli
+
+    bundle = precision_bundles["d-int8_t-int4"]
+    args = ["bench", str(bundle), "--concurrency", "1,3", "--max-new-tokens", "6"]
+    args += ["--prompts", str(PROMPT_FILES[0]), "--out", str(tmp_path), "--name", "load"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "load.json").read_text())
+    entries = report["configs"]
+    names = ["target_only", "fixed_1", "fixed_2", "fixed_4", "adaptive"]
+    assert [(e["name"], e["concurrency"]) for e in entries] == [
+        (f"{name}_d-int8_t-int4", level) for name in names for level in (1, 3)
+    ]
+    for entry in entries:
+        assert entry["identical_to_alone"] and entry["aggregate_tokens_per_s"] > 0
+        assert entry["requests"] == max(4, 2 * entry["concurrency"])
+        assert entry["tokens"] == 6 * entry["requests"]
+    assert next(e for e in entries if e["name"].startswith("target_only"))["mean_k"] == 0
+    assert {g["concurrency"] for g in report["goals"]} == {1, 3}
+    assert "| adaptive_d-int8_t-int4 |" in (tmp_path / "load.md").read_text()
+    assert (tmp_path / "load.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_load_benchmark_refuses_bad_levels(bundles, tmp_path):
+    from click.testing import CliRunner
+
+    from specrt.cli import cli
+
+    for levels in ("1,x", "0,2"):
+        args = ["bench", str(bundles["llama"]), "--concurrency", levels, "--out", str(tmp_path)]
+        result = CliRunner().invoke(cli, args)
+        assert result.exit_code != 0 and "--concurrency" in result.output

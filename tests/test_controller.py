@@ -175,6 +175,17 @@ def test_a_request_without_drafts_is_probed_now_and_then():
     assert decision.k == 1 and "probing" in decision.reason
 
 
+def test_no_probe_where_it_would_widen_a_compute_bound_call():
+    """In a batch of 16 at K = 0, one probe makes the call 32 rows (twice the cost here):
+    the batch would pay for one request's curiosity, so nobody probes."""
+    costs = _batch_costs()
+    policies = [Adaptive(costs=costs, prior_alpha=0.3) for _ in range(16)]
+    for policy in policies:
+        policy.idle = PROBE_AFTER
+    decisions = decide_together(policies, [RoundContext(8, 50)] * 16, costs)
+    assert [d.k for d in decisions] == [0] * 16
+
+
 def test_long_context_halves_k():
     policy = Adaptive(k_max=8, long_context=100)
     assert policy.decide(RoundContext(k_max=8, position=50)).k == 4  # warming up

@@ -24,7 +24,8 @@ import numpy as np
 from specrt.errors import SpecrtError
 from specrt.runtime.costs import StepCosts
 
-PROBE_AFTER = 16  # rounds at K = 0 after which an adaptive request drafts one token again
+PROBE_AFTER = 16  # rounds at K = 0 after which an adaptive request drafts one token again...
+PROBE_COST = 1.1  # ...if the wider call costs at most this much more than the round chosen
 
 
 @dataclass(frozen=True)
@@ -174,30 +175,38 @@ def decide_together(
         ]
     alphas = [min(p.alpha(s), 0.999) for p, s in zip(policies, sources, strict=True)]
     batch = len(policies) + len(others)
-    best = None
+    options = []
     for k in range(max(caps) + 1):
         ks = [min(max(k, low), cap) for low, cap in zip(lows, caps, strict=True)]
-        width = max([*ks, *others]) + 1
-        model = [kk for kk, s in zip(ks, sources, strict=True) if s == "model" and kk]
-        draft = costs.draft_cost("model", max(model, default=0), len(model))
-        verify = costs.verify_cost(batch * width)
-        tokens = len(others) + sum(map(expected_tokens, alphas, ks))
-        rate = tokens / (draft + verify)
-        if best is None or rate > best[0]:
-            best = (rate, ks, draft, verify)
-    rate, ks, draft, verify = best
+        options.append((*_price(ks, alphas, sources, others, costs), ks))
+    rate, draft, verify, ks = max(options, key=lambda option: option[0])  # the first best
     base = costs.verify_cost(batch)  # the batch's call at K = 0
     shares = f"c_draft(K)/c_verify={draft / base:.2f} c_verify(K)/c_verify(0)={verify / base:.2f}"
     size = f"batch {batch}: " if batch > 1 else ""
+    # A probe widens the whole call to 2 tokens a row: only where that costs little.
+    cheap_probe = costs.verify_cost(batch * 2) <= PROBE_COST * costs.verify_cost(
+        batch * (max(ks) + 1)
+    )
     decisions = []
     for policy, k, cap, note, s, alpha in zip(
         policies, ks, caps, notes, sources, alphas, strict=True
     ):
         why = f"{size}{note}{s} alpha={alpha:.2f} {shares} -> {rate:.1f} tok/s"
-        if k == 0 and cap > 0 and policy.idle >= PROBE_AFTER:
+        if k == 0 and cap > 0 and policy.idle >= PROBE_AFTER and cheap_probe:
             k, why = 1, f"{why}; probing acceptance after {policy.idle} rounds without drafts"
         decisions.append(Decision(k, why))
     return decisions
+
+
+def _price(ks, alphas, sources, others, costs: StepCosts) -> tuple[float, float, float]:
+    """Expected tokens per second of a round where the joint requests draft ks, and the
+    seconds of its draft steps and its verify call."""
+    width = max([*ks, *others]) + 1
+    model = [k for k, s in zip(ks, sources, strict=True) if s == "model" and k]
+    draft = costs.draft_cost("model", max(model, default=0), len(model))
+    verify = costs.verify_cost((len(ks) + len(others)) * width)
+    tokens = len(others) + sum(map(expected_tokens, alphas, ks))
+    return tokens / (draft + verify), draft, verify
 
 
 def make_controller(

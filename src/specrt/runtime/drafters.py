@@ -14,6 +14,7 @@ alone, for free.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -25,6 +26,7 @@ from specrt.errors import SpecrtError
 from specrt.runtime.sampling import SamplingParams, probabilities, sample
 
 DRAFTERS = ("model", "ngram", "hybrid")
+CATCH_UP = 4  # a draft cache further behind catches up in a call of its own
 
 
 @dataclass(frozen=True)
@@ -88,15 +90,16 @@ class ModelDrafter:
         self.model = self
 
     def start(self, prompt: Sequence[int], slot: int) -> None:
+        """Only take the slot: the prompt is fed when a draft is first asked for, so a request
+        that never drafts (K = 0 in a busy batch) never pays for the draft model's prefill."""
         self.slot = slot
         self.engine.reset(slot)
-        self.engine.forward_rows([(self.slot, list(prompt))], last=1)
 
     def offer(self, seq: Sequence[int], limit: int) -> Offer:
         return Offer("model", limit)
 
     def propose(self, seq, k, params, rng, threshold) -> Proposal:
-        return draft_together([self], [seq], [k], [params], [rng], [threshold])[0]
+        return draft_together([self], [seq], [k], [params], [rng], [threshold])[0][0]
 
     def rollback(self, length: int) -> None:
         self.engine.rollback(min(self.engine.lengths[self.slot], length), self.slot)
@@ -109,16 +112,23 @@ def draft_together(
     params: Sequence[SamplingParams],
     rngs: Sequence[np.random.Generator],
     thresholds: Sequence[float],
-) -> list[Proposal]:
+) -> tuple[list[Proposal], float]:
     """Up to ks[i] tokens after seqs[i] for each request, one batched call of the draft model
     per step. A request whose draft is done (k tokens, or the draft is unsure: verifying now
-    beats drafting on) sits out the remaining steps."""
+    beats drafting on) sits out the remaining steps. Also returns the seconds spent catching
+    up first (a prompt, rounds served by a lookup or at K = 0), which are not draft steps."""
     engine = drafters[0].engine
     proposals = [Proposal() for _ in drafters]
     feeds = {
         i: list(seq[d.engine.lengths[d.slot] :])
         for i, (d, seq) in enumerate(zip(drafters, seqs, strict=True))
     }
+    start = time.perf_counter()
+    for i, feed in feeds.items():
+        if len(feed) > CATCH_UP:  # a call of its own, so that no other row is padded to it
+            engine.forward_rows([(drafters[i].slot, feed[:-1])], last=1)
+            feeds[i] = feed[-1:]
+    catch_up = time.perf_counter() - start
     while feeds:
         rows = engine.forward_rows([(drafters[i].slot, feed) for i, feed in feeds.items()], last=1)
         for i, logits in zip(list(feeds), rows, strict=True):
@@ -132,7 +142,7 @@ def draft_together(
             feeds[i] = [token]
             if len(proposal.tokens) == ks[i]:
                 del feeds[i]
-    return proposals
+    return proposals, catch_up
 
 
 class NgramDrafter:

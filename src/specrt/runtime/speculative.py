@@ -64,7 +64,7 @@ class Round:
 
 def prefill(req: Request, target: Engine) -> int:
     """Start a request in its slot: the prompt in one call of its own, the first token drawn
-    from its last logits, and the drafter primed. Returns the first token."""
+    from its last logits, and the drafter given its slot. Returns the first token."""
     target.reset(req.slot)
     logits = target.forward_rows([(req.slot, req.prompt)], last=1)[0]
     first, _, _ = draw(logits[0], req.params, req.rng, threshold=0.0)
@@ -80,7 +80,7 @@ def speculate(reqs: list[Request], target: Engine, costs: StepCosts) -> Round:
     offers = [r.drafter.offer(r.seq, r.room(target.capacity)) if r.drafter else NONE for r in reqs]
     contexts = [RoundContext(o.available, len(r.seq), o.source) for r, o in _pairs(reqs, offers)]
     decisions = decide_round([r.policy for r in reqs], contexts, costs)
-    proposals = _propose(reqs, offers, decisions)
+    proposals, catch_up = _propose(reqs, offers, decisions)
     t1 = time.perf_counter()
     logits = target.forward_rows(
         [(r.slot, [r.seq[-1], *p.tokens]) for r, p in _pairs(reqs, proposals)]
@@ -100,7 +100,7 @@ def speculate(reqs: list[Request], target: Engine, costs: StepCosts) -> Round:
         accepted.append(n)
         emitted.append(r.seq[-n - 1 :])
     drafted = [len(p.tokens) for p in proposals]
-    _observe_costs(costs, offers, drafted, t1 - t0, t2 - t1)
+    _observe_costs(costs, offers, drafted, t1 - t0 - catch_up, t2 - t1)
     sources = [o.source if n else "none" for o, n in _pairs(offers, drafted)]
     return Round(decisions, sources, drafted, accepted, emitted, t1 - t0, t2 - t1)
 
@@ -109,10 +109,11 @@ def _pairs(first: list, second: list):
     return zip(first, second, strict=True)
 
 
-def _propose(reqs: list[Request], offers: list[Offer], decisions: list[Decision]) -> list[Proposal]:
-    """Each request's drafts: lookups alone, model drafts for all requests together."""
+def _propose(reqs: list[Request], offers: list[Offer], decisions: list[Decision]):
+    """Each request's drafts (lookups alone, model drafts for all requests together), and the
+    seconds the draft model spent catching up (see `draft_together`)."""
     proposals = [Proposal() for _ in reqs]
-    together = []
+    together, catch_up = [], 0.0
     for i, (r, offer, decision) in enumerate(zip(reqs, offers, decisions, strict=True)):
         if decision.k and offer.source == "model":
             together.append(i)
@@ -120,7 +121,7 @@ def _propose(reqs: list[Request], offers: list[Offer], decisions: list[Decision]
             threshold = r.policy.confidence_threshold
             proposals[i] = r.drafter.propose(r.seq, decision.k, r.params, r.rng, threshold)
     if together:
-        drafted = draft_together(
+        drafted, catch_up = draft_together(
             [reqs[i].drafter.model for i in together],
             [reqs[i].seq for i in together],
             [decisions[i].k for i in together],
@@ -130,7 +131,7 @@ def _propose(reqs: list[Request], offers: list[Offer], decisions: list[Decision]
         )
         for i, proposal in zip(together, drafted, strict=True):
             proposals[i] = proposal
-    return proposals
+    return proposals, catch_up
 
 
 def _observe_costs(costs, offers, drafted, draft_s: float, verify_s: float) -> None:

@@ -123,7 +123,7 @@ def test_the_load_benchmark_reports_every_config_at_every_concurrency(precision_
     from specrt.cli import cli
 
     bundle = precision_bundles["d-int8_t-int4"]
-    args = ["bench", str(bundle), "--concurrency", "1,3", "--max-new-tokens", "6"]
+    args = ["bench", str(bundle), "--concurrency", "1,3", "--max-new-tokens", "6", "--repeat", "2"]
     args += ["--prompts", str(PROMPT_FILES[0]), "--out", str(tmp_path), "--name", "load"]
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output
@@ -135,6 +135,8 @@ def test_the_load_benchmark_reports_every_config_at_every_concurrency(precision_
     ]
     for entry in entries:
         assert entry["identical_to_alone"] and entry["aggregate_tokens_per_s"] > 0
+        assert len(entry["aggregate_runs"]) == 2  # the median of two runs is reported
+        assert entry["aggregate_tokens_per_s"] in entry["aggregate_runs"]
         assert entry["requests"] == max(4, 2 * entry["concurrency"])
         assert entry["tokens"] == 6 * entry["requests"]
     assert next(e for e in entries if e["name"].startswith("target_only"))["mean_k"] == 0

@@ -364,7 +364,12 @@ def demo(tiny: bool, max_new_tokens: int | None):
     default=None,
     help="Comma-separated client counts (e.g. 1,2,4,8,16): run the load benchmark instead.",
 )
-@click.option("--repeat", default=1, show_default=True, help="Runs per prompt.")
+@click.option(
+    "--repeat",
+    default=1,
+    show_default=True,
+    help="Runs per prompt (with --concurrency: per level).",
+)
 @click.option("--only", default=None, help="Comma-separated configuration names to run.")
 @click.option("--threads", type=int, default=None, help="Threads for every engine.")
 @click.option(
@@ -416,7 +421,16 @@ def bench(
 
         selected = only.split(",") if only else None
         report = bench_concurrency(
-            bundles, prompts, concurrency, max_new_tokens, selected, threads, out, stem, _log
+            bundles,
+            prompts,
+            concurrency,
+            max_new_tokens,
+            repeat,
+            selected,
+            threads,
+            out,
+            stem,
+            _log,
         )
         click.echo(report)
         return

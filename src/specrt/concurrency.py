@@ -35,7 +35,7 @@ CONFIGS = {
 
 
 def bench_concurrency(
-    bundles, prompts, levels: str, max_new_tokens, only, threads, out: Path, stem: str, log: Log
+    bundles, prompts, levels: str, max_new_tokens, repeat, only, threads, out, stem, log: Log
 ) -> str:
     """The CLI's `--concurrency 1,2,4`: run, write JSON/Markdown/PNG, return the Markdown."""
     try:
@@ -45,7 +45,14 @@ def bench_concurrency(
     if counts[0] < 1:
         raise SpecrtError(f"--concurrency levels must be >= 1, got {levels!r}")
     result = run_concurrency(
-        bundles, prompts, counts, max_new_tokens=max_new_tokens, only=only, threads=threads, log=log
+        bundles,
+        prompts,
+        counts,
+        max_new_tokens=max_new_tokens,
+        repeat=repeat,
+        only=only,
+        threads=threads,
+        log=log,
     )
     for path in write_report(result, out, stem, log=log, render=markdown, draw=chart):
         log(f"wrote {path}")
@@ -115,11 +122,14 @@ def run_concurrency(
     levels: Sequence[int],
     *,
     max_new_tokens: int = 64,
+    repeat: int = 1,
     only: Sequence[str] | None = None,
     threads: int | None = None,
     log: Log = print,
 ) -> dict:
-    """Every configuration at every level, for every bundle, side by side in one run."""
+    """Every configuration at every level, for every bundle, side by side in one run. With
+    repeat, each level runs every configuration in turn, `repeat` times over, so that a slow
+    spell of a shared machine falls on all of them; a level reports the median run."""
     entries, costs = [], {}
     for path in bundle_paths:
         log(f"loading {path} with {max(levels)} slots (and calibrating the batch cost curves)")
@@ -131,25 +141,26 @@ def run_concurrency(
             i: rt.generate(p, max_new_tokens=max_new_tokens, ignore_eos=True).token_ids
             for i, p in enumerate(ids)
         }
-        for config, options in CONFIGS.items():
-            name = f"{config}_{label}"
-            if only and config not in only and name not in only:
-                continue
+        configs = {
+            f"{config}_{label}": (config, options)
+            for config, options in CONFIGS.items()
+            if not only or config in only or f"{config}_{label}" in only
+        }
+        runs: dict[tuple[str, int], list[dict]] = {}
+        for level in levels:
+            for _ in range(repeat):
+                for name, (_, options) in configs.items():
+                    figures = run_level(rt, ids, options, level, max_new_tokens, alone)
+                    runs.setdefault((name, level), []).append(figures)
+                    log(
+                        f"  {name} x{level}: {figures['aggregate_tokens_per_s']:.1f} tok/s, "
+                        f"mean K {figures['mean_k']:.2f}, "
+                        f"identical {figures['identical_to_alone']}"
+                    )
+        for name, (config, _) in configs.items():
             for level in levels:
-                figures = run_level(rt, ids, options, level, max_new_tokens, alone)
-                entry = {
-                    "name": name,
-                    "config": config,
-                    "bundle": label,
-                    "concurrency": level,
-                    **figures,
-                    "rss_mb": current_rss_mb(),
-                }
-                entries.append(entry)
-                log(
-                    f"  {name} x{level}: {figures['aggregate_tokens_per_s']:.1f} tok/s, "
-                    f"mean K {figures['mean_k']:.2f}, identical {figures['identical_to_alone']}"
-                )
+                entry = {"name": name, "config": config, "bundle": label, "concurrency": level}
+                entries.append({**entry, **_median(runs[name, level]), "rss_mb": current_rss_mb()})
         del rt
     return {
         "kind": "concurrency",
@@ -157,6 +168,7 @@ def run_concurrency(
         "settings": {
             "bundles": [str(p) for p in bundle_paths],
             "levels": list(levels),
+            "repeat": repeat,
             "prompts": len(prompts),
             "max_new_tokens": max_new_tokens,
             "greedy": True,
@@ -165,6 +177,16 @@ def run_concurrency(
         "verify_ms_by_rows": costs,
         "goals": goals(entries),
     }
+
+
+def _median(runs: list[dict]) -> dict:
+    """The run of median aggregate throughput, with the counts and checks of all runs."""
+    ordered = sorted(runs, key=lambda run: run["aggregate_tokens_per_s"])
+    median = dict(ordered[(len(ordered) - 1) // 2])
+    median["aggregate_runs"] = [run["aggregate_tokens_per_s"] for run in runs]
+    median["identical_to_alone"] = all(run["identical_to_alone"] for run in runs)
+    median["mismatches"] = sum(run["mismatches"] for run in runs)
+    return median
 
 
 def _level(entries: list[dict], name: str, level: int) -> dict | None:
@@ -214,7 +236,8 @@ def markdown(result: dict) -> str:
         "",
         f"{m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB; {m['date']}; {s['prompts']} "
         f"prompts cycled, {s['max_new_tokens']} new tokens each, greedy; closed loop, "
-        "2 x concurrency requests (at least 4) per level.",
+        "2 x concurrency requests (at least 4) per level; the median of "
+        f"{s.get('repeat', 1)} run(s) of each level.",
         "",
         "Aggregate tokens/s (mean K chosen; = alone: every output equals the request run alone):",
         "",

@@ -501,9 +501,6 @@ def serve(
     log_level,
 ):
     """Serve BUNDLE over an OpenAI-compatible HTTP API (needs the serve extra)."""
-    from specrt.bundle import Bundle
-    from specrt.runtime.controller import make_controller
-
     try:
         from specrt.serve.app import run
         from specrt.serve.settings import ServeSettings
@@ -511,17 +508,6 @@ def serve(
         raise SpecrtError(
             f"specrt serve needs the serve extra: pip install 'specrt[serve]' ({err})"
         ) from err
-    loaded = Bundle.load(bundle)  # a missing or damaged bundle fails here, not after start-up
-    if controller != "off":
-        make_controller(controller, loaded.max_draft)
-    if drafter in ("model", "hybrid") and not loaded.has_draft:
-        raise SpecrtError(f"--drafter {drafter} needs a draft model; {bundle} has none")
-    if max_batch < 1:
-        raise SpecrtError(f"--max-batch must be >= 1, got {max_batch}")
-    if max_queue < 1:
-        raise SpecrtError(
-            f"--max-queue must be >= 1 (the running request waits there), got {max_queue}"
-        )
     settings = ServeSettings(
         bundle=bundle,
         host=host,
@@ -536,6 +522,7 @@ def serve(
         backend=backend,
         threads=threads,
     )
+    settings.check()  # a missing or damaged bundle fails here, not after start-up
     _log(f"serving {settings.served_model} on http://{host}:{port}/v1 (loading the engines)")
     run(settings, log_level=log_level)
 

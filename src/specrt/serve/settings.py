@@ -6,6 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from specrt.bundle import Bundle
+from specrt.errors import SpecrtError
+from specrt.runtime.controller import make_controller
+
 
 @dataclass(frozen=True)
 class ServeSettings:
@@ -26,3 +30,20 @@ class ServeSettings:
     @property
     def served_model(self) -> str:
         return self.model_name or Path(self.bundle).resolve().name
+
+    def check(self) -> None:
+        """Refuse what would only fail after start-up: a missing or damaged bundle, a bad
+        default speculation or drafter for it, no slots or no queue."""
+        bundle = Bundle.load(self.bundle)
+        if self.controller != "off":
+            make_controller(self.controller, bundle.max_draft)
+        if self.drafter in ("model", "hybrid") and not bundle.has_draft:
+            raise SpecrtError(
+                f"--drafter {self.drafter} needs a draft model; {self.bundle} has none"
+            )
+        if self.max_batch < 1:
+            raise SpecrtError(f"--max-batch must be >= 1, got {self.max_batch}")
+        if self.max_queue < 1:
+            raise SpecrtError(
+                f"--max-queue must be >= 1 (requests wait there), got {self.max_queue}"
+            )

@@ -523,7 +523,8 @@ def write_report(
     return paths
 
 
-def _fmt(value, spec: str) -> str:
+def fmt(value, spec: str) -> str:
+    """A figure, or a dash where there is none."""
     return "–" if value is None else format(value, spec)
 
 
@@ -543,17 +544,17 @@ def markdown(result: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["configs"]:
-        same = _fmt(r["identical_to_baseline"], "")
+        same = fmt(r["identical_to_baseline"], "")
         if r["mismatches_vs_baseline"]:
             same = f"no ({r['mismatches_vs_baseline']} differ)"
         lines.append(
-            f"| {r['name']} | {r['tokens_per_s']:.2f} | {_fmt(r['speedup_vs_pytorch'], '.2f')}× "
-            f"| {_fmt(r.get('speedup_vs_target_alone'), '.2f')}× "
-            f"| {_fmt(r.get('decode_tokens_per_s'), '.2f')} "
-            f"| {_fmt(r.get('decode_speedup_vs_target_alone'), '.2f')}× | {r['ttft_ms']:.0f} "
+            f"| {r['name']} | {r['tokens_per_s']:.2f} | {fmt(r['speedup_vs_pytorch'], '.2f')}× "
+            f"| {fmt(r.get('speedup_vs_target_alone'), '.2f')}× "
+            f"| {fmt(r.get('decode_tokens_per_s'), '.2f')} "
+            f"| {fmt(r.get('decode_speedup_vs_target_alone'), '.2f')}× | {r['ttft_ms']:.0f} "
             f"| {r['latency_p50_ms']:.0f} | {r['latency_p99_ms']:.0f} "
-            f"| {_fmt(r['tokens_per_target_call'], '.2f')} | {_fmt(r['acceptance_rate'], '.0%')} "
-            f"| {same} | {_fmt(r['identical_to_target_alone'], '')} "
+            f"| {fmt(r['tokens_per_target_call'], '.2f')} | {fmt(r['acceptance_rate'], '.0%')} "
+            f"| {same} | {fmt(r['identical_to_target_alone'], '')} "
             f"| {r.get('rss_mb', 0):.0f} |"
         )
     lines += ["", '"= target alone" compares with the target-alone row of the same bundle.']
@@ -580,9 +581,9 @@ def _category_lines(rows: list[dict]) -> list[str]:
         cells = []
         for name in names:
             cell = r.get("categories", {}).get(name, {})
-            speed = _fmt(cell.get("speedup_vs_target_alone"), ".2f")
-            decode = _fmt(cell.get("decode_speedup_vs_target_alone"), ".2f")
-            calls = _fmt(cell.get("tokens_per_target_call"), ".2f")
+            speed = fmt(cell.get("speedup_vs_target_alone"), ".2f")
+            decode = fmt(cell.get("decode_speedup_vs_target_alone"), ".2f")
+            calls = fmt(cell.get("tokens_per_target_call"), ".2f")
             cells.append(f"{speed}× / {decode}× ({calls})")
         lines.append(f"| {r['name']} | " + " | ".join(cells) + " |")
     return lines
@@ -606,9 +607,9 @@ def _cost_lines(costs: dict) -> list[str]:
     ]
     for label, c in costs.items():
         ratios = {int(n): v for n, v in c["verify_ratio"].items()}
-        cells = " | ".join(_fmt(ratios.get(n), ".2f") for n in counts)
+        cells = " | ".join(fmt(ratios.get(n), ".2f") for n in counts)
         one = c["verify_ms"].get("1", c["verify_ms"].get(1))
-        lines.append(f"| {label} | {_fmt(c['draft_step_ms'], '.1f')} | {one:.1f} | {cells} |")
+        lines.append(f"| {label} | {fmt(c['draft_step_ms'], '.1f')} | {one:.1f} | {cells} |")
     return lines
 
 

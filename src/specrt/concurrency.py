@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specrt.bench import current_rss_mb, machine_info, write_report
+from specrt.bench import current_rss_mb, fmt, machine_info, write_report
 from specrt.errors import SpecrtError
 from specrt.runtime import Generation, Scheduler, SpeculativeRuntime
 
@@ -224,10 +224,6 @@ def goals(entries: list[dict]) -> list[dict]:
     return out
 
 
-def _fmt(value, spec: str) -> str:
-    return "–" if value is None else format(value, spec)
-
-
 def markdown(result: dict) -> str:
     m, s, entries = result["machine"], result["settings"], result["configs"]
     levels = s["levels"]
@@ -282,8 +278,8 @@ def markdown(result: dict) -> str:
     for g in result["goals"]:
         lines.append(
             f"| {g['bundle']} | {g['concurrency']} | "
-            f"{_fmt(g['adaptive_vs_single_stream'], '.2f')}× | "
-            f"{_fmt(g['adaptive_vs_target_alone'], '.2f')}× | {g['adaptive_vs_best']:.2f}× | "
+            f"{fmt(g['adaptive_vs_single_stream'], '.2f')}× | "
+            f"{fmt(g['adaptive_vs_target_alone'], '.2f')}× | {g['adaptive_vs_best']:.2f}× | "
             f"{g['best']} | {g['adaptive_mean_k']:.2f} |"
         )
     lines.append("")

@@ -141,12 +141,14 @@ class OrtEngine(BufferCache):
         self._mask = np.ones((slots, self._positions_held), np.int64)
         self._logits = np.empty(slots * 16 * vocab_size, self._logits_type)  # grows as needed
 
-    def _zeros(self, shape: list[int], name: str) -> tuple[str, ort.OrtValue, np.ndarray]:
+    def _zeros(self, shape: list[int], name: str) -> tuple[str, ort.OrtValue, np.ndarray | None]:
         """A zeroed cache buffer. Rows shorter than a batched call's longest read keys past
         their own length (masked out, weight 0), and 0 times uninitialised memory that happens
-        to hold a NaN would still be NaN."""
-        host = np.zeros(shape, self._cache_type)  # a CPU OrtValue uses this memory: keep it
-        return name, ort.OrtValue.ortvalue_from_numpy(host, self.device, 0), host
+        to hold a NaN would still be NaN. A CPU OrtValue uses the numpy array's memory, so that
+        array is kept; a device copy does not need it."""
+        host = np.zeros(shape, self._cache_type)
+        value = ort.OrtValue.ortvalue_from_numpy(host, self.device, 0)
+        return name, value, host if self.device == "cpu" else None
 
     @classmethod
     def from_bundle(

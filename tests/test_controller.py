@@ -126,8 +126,19 @@ def test_verify_cost_interpolates_and_extrapolates_the_measured_curve():
     spiky = StepCosts(verify={1: 0.10, 2: 0.50, 3: 0.12})  # a noisy sample at 2
     assert spiky.verify_cost(2) == 0.12  # never above a larger count's measurement
     assert spiky.verify_cost(1) == 0.10
-    costs.observe_verify(1, 0.20)
-    assert costs.verify_cost(1) == pytest.approx(0.7 * 0.10 + 0.3 * 0.20)
+    costs.observe_verify(1, 0.12)
+    assert costs.verify_cost(1) == pytest.approx(0.7 * 0.10 + 0.3 * 0.12)
+
+
+def test_one_stall_cannot_price_a_call_out_of_reach_but_a_lasting_slowdown_shows():
+    """A shared machine stalls now and then; a stall seen once moves the estimate 15 %, where
+    it would have moved it 3.7x (and K = 0 would never measure that call again)."""
+    costs = StepCosts(verify={16: 0.30})
+    costs.observe_verify(16, 3.0)  # another tenant took the cores for one call
+    assert costs.verify_cost(16) == pytest.approx(0.30 * 1.15)
+    for _ in range(6):  # the machine is now twice as slow, and stays so
+        costs.observe_verify(16, 0.60)
+    assert costs.verify_cost(16) > 0.55
 
 
 def _batch_costs() -> StepCosts:

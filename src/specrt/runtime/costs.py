@@ -9,8 +9,11 @@ more, and no single formula fits both. `measure_costs` measures a grid of batch 
 load; each round then refines the count it used (EWMA). Counts never measured are interpolated
 linearly between measured neighbours, or extrapolated from the last two. A call with more rows
 never costs less than one with fewer (it could be padded), so a count is never priced above a
-larger count's measurement: on a shared machine one noisy sample would otherwise price a K out
-of reach for good, since only the counts the policy picks get measured again.
+larger count's measurement. On a shared machine noise only ever adds time, and only the counts
+the policy picks get measured again, so one slow sample must not price a K out of reach for
+good: a sample counts at most `SPIKE` times the estimate it refines (one stall moves it 15 %; a
+lasting slowdown still shows within a few rounds), and calibration keeps the fastest of its
+repeats at every batch size.
 
 A lookup (n-gram, prediction) costs nothing next to a call (about 0.05 ms at 2,048 tokens).
 """
@@ -23,6 +26,7 @@ from dataclasses import dataclass, field
 from specrt.engines.base import Engine
 
 SMOOTHING = 0.3  # weight of a new observation: follows load changes within a few rounds
+SPIKE = 1.5  # an observation counts at most this many times the estimate it refines
 PREFIX = 48  # tokens of context behind a calibration call, a typical short prompt
 
 
@@ -82,7 +86,7 @@ def _interpolate(curve: dict[int, float], rows: int) -> float:
 
 
 def _blend(old: float | None, new: float) -> float:
-    return new if old is None else (1 - SMOOTHING) * old + SMOOTHING * new
+    return new if old is None else (1 - SMOOTHING) * old + SMOOTHING * min(new, SPIKE * old)
 
 
 def batch_sizes(slots: int) -> list[int]:
@@ -132,7 +136,7 @@ def measure_costs(
     verify = measure_call_costs(target, list(range(1, k_max + 2)), [1], repeats)
     if slots > 1:
         widths = sorted({1, 2, k_max // 2 + 1, k_max + 1})
-        for rows, seconds in measure_call_costs(target, widths, batches[1:], 1).items():
+        for rows, seconds in measure_call_costs(target, widths, batches[1:], repeats).items():
             verify[rows] = min(seconds, verify.get(rows, seconds))
     costs = StepCosts(verify=verify)
     if draft is not None:

@@ -69,6 +69,12 @@ class Bundle:
         return int(self.manifest["max_draft"])
 
     @property
+    def max_lookup(self) -> int:
+        """The longest window of free drafts (a lookup, a prediction) one verify call takes;
+        bundles built before long windows: K_max (their verify shapes end there)."""
+        return int(self.manifest.get("max_lookup", self.max_draft))
+
+    @property
     def per_row_positions(self) -> bool:
         """Whether the graphs give each batch row its own cache positions (bundles built
         before batching share one length across the batch, so they serve one row at a time)."""

@@ -47,6 +47,12 @@ def cli() -> None:
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Bundle folder.")
 @click.option("--max-draft", default=8, show_default=True, help="K_max: most drafts per round.")
 @click.option(
+    "--max-lookup",
+    default=32,
+    show_default=True,
+    help="Most free drafts (a lookup, a prediction) one verify call takes.",
+)
+@click.option(
     "--max-context",
     type=int,
     default=None,
@@ -102,6 +108,7 @@ def build(
     target: str,
     out: Path,
     max_draft: int,
+    max_lookup: int,
     max_context: int | None,
     force: bool,
     draft_precision: str,
@@ -139,6 +146,7 @@ def build(
         target,
         out,
         max_draft=max_draft,
+        max_lookup=max_lookup,
         max_context=max_context,
         force=force,
         precision=precision,
@@ -165,7 +173,8 @@ def inspect(bundle: Path, as_json: bool):
     click.echo(f"built with   {versions}")
     click.echo(
         f"limits       max context {m['max_context']}   "
-        f"K_max {m['max_draft']}   eos ids {m['eos_token_ids']}"
+        f"K_max {m['max_draft']}   lookup window {loaded.max_lookup}   "
+        f"eos ids {m['eos_token_ids']}"
     )
     for line in precision_lines(loaded):
         click.echo(line)
@@ -253,6 +262,13 @@ def precision_lines(bundle) -> list[str]:
 @click.option("--stream", is_flag=True, help="Print text as it is generated.")
 @click.option("--stats", is_flag=True, help="Print speed and acceptance statistics.")
 @click.option("--json", "as_json", is_flag=True, help="Print text, ids and stats as JSON.")
+@click.option(
+    "--prediction-file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="Text the output should mostly repeat (OpenAI's Predicted Outputs): a free draft.",
+)
+@click.option("--show-accepted", is_flag=True, help="Colour text the drafts or prediction made.")
 def generate(
     bundle,
     prompt,
@@ -271,8 +287,11 @@ def generate(
     stream,
     stats,
     as_json,
+    prediction_file,
+    show_accepted,
 ):
     """Generate from PROMPT with speculative decoding."""
+    from specrt.display import LEGEND, accepted_text, format_stats, json_result
     from specrt.runtime import SpeculativeRuntime
 
     runtime = SpeculativeRuntime.load(
@@ -288,38 +307,23 @@ def generate(
         seed=seed,
         stop=stop,
         speculate=not no_speculation,
+        prediction=prediction_file.read_text(encoding="utf-8") if prediction_file else None,
     )
     for delta in generation:
-        if stream and not as_json:
+        if stream and not as_json and not show_accepted:
             click.echo(delta, nl=False)
             sys.stdout.flush()
     result = generation.result
     if as_json:
-        click.echo(
-            json.dumps(
-                {
-                    "text": result.text,
-                    "token_ids": result.token_ids,
-                    "finish_reason": result.finish_reason,
-                    "stats": result.stats.to_dict(),
-                }
-            )
-        )
+        click.echo(json_result(result))
         return
-    click.echo("" if stream else result.text)
+    if show_accepted:
+        click.echo(accepted_text(runtime.tokenizer, result))
+        _log(LEGEND)
+    else:
+        click.echo("" if stream else result.text)
     if stats:
         _log(format_stats(result.stats, result.finish_reason))
-
-
-def format_stats(s, finish_reason: str) -> str:
-    return (
-        f"{s.new_tokens} tokens in {s.total_seconds:.2f}s ({s.tokens_per_second:.1f} tok/s), "
-        f"first token {s.ttft_seconds * 1000:.0f} ms, finish: {finish_reason}\n"
-        f"rounds {s.rounds}, drafted {s.drafted}, accepted {s.accepted} "
-        f"({s.acceptance_rate:.0%}), {s.tokens_per_target_call:.2f} tokens per target call\n"
-        f"draft {s.draft_seconds:.2f}s, verify {s.verify_seconds:.2f}s, "
-        f"prefill {s.prefill_seconds:.2f}s, controller {s.controller}, drafter {s.drafter}"
-    )
 
 
 @cli.command()

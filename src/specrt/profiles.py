@@ -49,20 +49,21 @@ class Profile:
 
 
 def plan_profiles(
-    max_context: int, max_draft: int, *, opt_prompt: int = OPT_PROMPT, opt_draft: int = OPT_DRAFT
+    max_context: int, max_window: int, *, opt_prompt: int = OPT_PROMPT, opt_draft: int = OPT_DRAFT
 ) -> list[Profile]:
-    """prefill, decode and verify for a bundle's limits; opt shapes from the typical case (a
-    short prompt, K around 4, a context of about twice the prompt)."""
-    if max_draft < 1 or max_context < max_draft + 2:
-        raise SpecrtError(f"max context {max_context} leaves no room for {max_draft} drafts")
-    max_prompt = max_context - max_draft - 1
+    """prefill, decode and verify for a bundle's limits (max_window: the most drafts a verify
+    call carries, K_max or the longer lookup window); opt shapes from the typical case (a short
+    prompt, K around 4, a context of about twice the prompt)."""
+    if max_window < 1 or max_context < max_window + 2:
+        raise SpecrtError(f"max context {max_context} leaves no room for {max_window} drafts")
+    max_prompt = max_context - max_window - 1
     prompt = min(opt_prompt, max_prompt)
     context = min(2 * prompt, max_context)
-    verify = min(opt_draft, max_draft) + 1
+    verify = min(opt_draft, max_window) + 1
     return [
         Profile("prefill", 1, prompt, max_prompt, 1, prompt, max_context, 1),
         Profile("decode", 1, 1, 1, 1, context, max_context, 1),
-        Profile("verify", 2, verify, max_draft + 1, 2, context, max_context, verify),
+        Profile("verify", 2, verify, max_window + 1, 2, context, max_context, verify),
     ]
 
 
@@ -79,8 +80,8 @@ def profiles_from_manifest(manifest: dict) -> list[Profile]:
 
 
 def select_profile(profiles: list[Profile], new_tokens: int, total: int) -> int:
-    """Index of the profile made for this call: decode for one token, verify for 2..K_max+1,
-    prefill for anything longer (each profile's ranges decide what fits)."""
+    """Index of the profile made for this call: decode for one token, verify for 2 up to the
+    longest window + 1, prefill for anything longer (each profile's ranges decide what fits)."""
     index = {p.name: i for i, p in enumerate(profiles)}
     for name in ("decode", "verify", "prefill"):
         if name in index and profiles[index[name]].fits(new_tokens, total):

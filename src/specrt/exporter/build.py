@@ -81,6 +81,7 @@ def build_bundle(
     out: str | Path,
     *,
     max_draft: int = 8,
+    max_lookup: int = 32,
     max_context: int | None = None,
     force: bool = False,
     precision: dict[str, Precision] | None = None,
@@ -97,8 +98,13 @@ def build_bundle(
     """
     roles = [r for r in ROLES if r == "target" or draft is not None]
     precision = {role: (precision or {}).get(role, Precision()) for role in roles}
-    if not 1 <= max_draft <= 64:
-        raise SpecrtError(f"--max-draft must be between 1 and 64, got {max_draft}")
+    if not 1 <= max_draft < CACHE_MARGIN:
+        raise SpecrtError(f"--max-draft must be between 1 and {CACHE_MARGIN - 1}, got {max_draft}")
+    if not 1 <= max_lookup < CACHE_MARGIN:
+        raise SpecrtError(
+            f"--max-lookup must be between 1 and {CACHE_MARGIN - 1}, got {max_lookup}"
+        )
+    window = max(max_draft, max_lookup)  # the most drafts one verify call carries
     if tensorrt is not None:
         if any(p.weights != "fp32" for p in precision.values()):
             raise SpecrtError(
@@ -111,9 +117,9 @@ def build_bundle(
     if max_context is None:
         limits = [n for n in map(context_limit, sources.values()) if n]
         max_context = min([DEFAULT_CONTEXT, *limits])
-    if max_context < max_draft + 2:
-        raise SpecrtError(f"--max-context {max_context} leaves no room for {max_draft} drafts")
-    plan = _Plan(max_context, plan_profiles(max_context, max_draft), tensorrt, log)
+    if max_context < window + 2:
+        raise SpecrtError(f"--max-context {max_context} leaves no room for {window} drafts")
+    plan = _Plan(max_context, plan_profiles(max_context, window), tensorrt, log)
     tokenizers = {role: load_tokenizer(src) for role, src in sources.items()}
     digests = {role: vocabulary_digest(tok) for role, tok in tokenizers.items()}
     if draft is not None and digests["draft"] != digests["target"]:
@@ -142,6 +148,7 @@ def build_bundle(
             "versions": _versions(),
             "max_context": max_context,
             "max_draft": max_draft,
+            "max_lookup": max_lookup,
             "kv_cache": {"positions": "per_row", "margin": CACHE_MARGIN},
             "profiles": {p.name: p.as_dict() for p in plan.profiles},
             "eos_token_ids": eos["target"],  # the target decides when text ends

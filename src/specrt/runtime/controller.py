@@ -82,12 +82,14 @@ class Adaptive:
 
     Acceptance is kept per draft source (the draft model, a lookup), since one request may be
     served by both and they accept very differently; a source's draft cost is K model steps,
-    or nothing for a lookup (see `StepCosts`). In a batch, the adaptive requests choose one K
-    together (`decide_together`); alone, `decide` is that choice for a batch of one.
+    or nothing for a lookup (see `StepCosts`), which may run to k_lookup. In a batch, the
+    adaptive requests choose together (`decide_together`): one K for model drafts, one for free
+    ones; alone, `decide` is that choice for a batch of one.
     """
 
     k_min: int = 0
-    k_max: int = 8
+    k_max: int = 8  # drafts from the draft model
+    k_lookup: int = 8  # free drafts (a lookup, a prediction): bounded by the verify curve only
     decay: float = 0.9  # per observed token: the estimate follows the last ~10 drafts
     prior_alpha: float = 0.7
     prior_weight: float = 2.0  # pseudo-tokens behind the prior; they decay like real ones
@@ -109,9 +111,10 @@ class Adaptive:
 
     def cap(self, ctx: RoundContext) -> tuple[int, str]:
         """The most drafts this request takes this round, and why it is lower than K_max."""
-        cap = min(self.k_max, ctx.k_max)
+        bound = self.k_max if ctx.source == "model" else self.k_lookup
+        cap = min(bound, ctx.k_max)
         if ctx.position > self.long_context:
-            cap = min(cap, max(self.k_min, self.k_max // 2))
+            cap = min(cap, max(self.k_min, bound // 2))
             return cap, f"long context caps K at {cap}; "
         return cap, ""
 
@@ -160,9 +163,10 @@ def decide_together(
     costs: StepCosts,
     others: Sequence[int] = (),
 ) -> list[Decision]:
-    """One K for the adaptive requests of a batch (each capped by its own room), maximising
-    the batch's expected tokens per second; `others` are the K of the batch's other requests,
-    which pad the verify call and emit at least one token each."""
+    """One K for the adaptive requests of a batch that draft by the model and one for those
+    that draft for free (each capped by its own room), maximising the batch's expected tokens
+    per second; `others` are the K of the batch's other requests, which pad the verify call
+    and emit at least one token each."""
     for policy, ctx in zip(policies, contexts, strict=True):
         policy.source = ctx.source
     caps, notes = zip(*(p.cap(c) for p, c in zip(policies, contexts, strict=True)), strict=True)
@@ -176,8 +180,11 @@ def decide_together(
     alphas = [min(p.alpha(s), 0.999) for p, s in zip(policies, sources, strict=True)]
     batch = len(policies) + len(others)
     options = []
-    for k in range(max(caps) + 1):
-        ks = [min(max(k, low), cap) for low, cap in zip(lows, caps, strict=True)]
+    for k_model, k_free in _pairs_of_k(caps, sources):
+        ks = [
+            min(max(k_model if s == "model" else k_free, low), cap)
+            for s, low, cap in zip(sources, lows, caps, strict=True)
+        ]
         options.append((*_price(ks, alphas, sources, others, costs), ks))
     rate, draft, verify, ks = max(options, key=lambda option: option[0])  # the first best
     base = costs.verify_cost(batch)  # the batch's call at K = 0
@@ -198,6 +205,15 @@ def decide_together(
     return decisions
 
 
+def _pairs_of_k(caps, sources) -> list[tuple[int, int]]:
+    """The (K of model drafts, K of free drafts) to price: requests drafting by the model pay
+    for every step, those drafting by lookup or prediction do not, so each kind gets its own
+    K (one K for both would hold a 30-token prediction back to what the model's drafts earn)."""
+    model = max((c for c, s in zip(caps, sources, strict=True) if s == "model"), default=0)
+    free = max((c for c, s in zip(caps, sources, strict=True) if s != "model"), default=0)
+    return [(k_model, k_free) for k_model in range(model + 1) for k_free in range(free + 1)]
+
+
 def _price(ks, alphas, sources, others, costs: StepCosts) -> tuple[float, float, float]:
     """Expected tokens per second of a round where the joint requests draft ks, and the
     seconds of its draft steps and its verify call."""
@@ -210,10 +226,16 @@ def _price(ks, alphas, sources, others, costs: StepCosts) -> tuple[float, float,
 
 
 def make_controller(
-    spec, k_max: int, costs: StepCosts | None = None, *, bounds: tuple[int, int] | None = None
+    spec,
+    k_max: int,
+    costs: StepCosts | None = None,
+    *,
+    bounds: tuple[int, int] | None = None,
+    k_lookup: int | None = None,
 ):
     """`fixed:K`, `heuristic` or `adaptive`; K must fit the bundle's K_max. `adaptive` reads and
-    refines `costs` when given (the runtime's shared, calibrated ones), else learns its own.
+    refines `costs` when given (the runtime's shared, calibrated ones), else learns its own, and
+    lets free drafts (a lookup, a prediction) run to k_lookup (default: K_max).
 
     bounds = (lowest, highest) K the caller allows (llama.cpp's `speculative.n_min/n_max`):
     the highest is capped at K_max, the lowest must fit under it, and a fixed K must lie inside.
@@ -244,7 +266,10 @@ def make_controller(
     if name == "heuristic":
         low = max(low, 1)
         return Heuristic(k_min=low, k_max=high, start=int(np.clip(4, low, high)))
-    return Adaptive(k_min=low, k_max=high, costs=costs or StepCosts())
+    lookup = k_lookup or k_max
+    if bounds:
+        lookup = min(lookup, bounds[1])  # the caller's highest K bounds free drafts too
+    return Adaptive(k_min=low, k_max=high, k_lookup=lookup, costs=costs or StepCosts())
 
 
 def _check_bounds(bounds: tuple[int, int] | None, k_max: int) -> tuple[int, int]:

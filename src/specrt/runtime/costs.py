@@ -127,13 +127,20 @@ def measure_call_costs(
 
 
 def measure_costs(
-    draft: Engine | None, target: Engine, k_max: int, repeats: int = 2, slots: int = 1
+    draft: Engine | None,
+    target: Engine,
+    k_max: int,
+    repeats: int = 2,
+    slots: int = 1,
+    k_lookup: int = 0,
 ) -> StepCosts:
-    """Measure the verify curve (K = 0..k_max at batch 1; a few widths at each larger batch
-    size up to `slots`) and the draft step by batch size (a bundle without a draft model
-    speculates by lookup only: there is no step to measure)."""
+    """Measure the verify curve (K = 0..k_max at batch 1, then a few longer windows up to
+    k_lookup; a few widths at each larger batch size up to `slots`) and the draft step by batch
+    size (a bundle without a draft model speculates by lookup only: no step to measure)."""
     batches = batch_sizes(slots)
-    verify = measure_call_costs(target, list(range(1, k_max + 2)), [1], repeats)
+    longer = {w for w in (16, 24, 32, 48) if w < k_lookup} | {k_lookup + 1}
+    widths = sorted(set(range(1, k_max + 2)) | {w for w in longer if w > k_max + 1})
+    verify = measure_call_costs(target, widths, [1], repeats)
     if slots > 1:
         widths = sorted({1, 2, k_max // 2 + 1, k_max + 1})
         for rows, seconds in measure_call_costs(target, widths, batches[1:], repeats).items():

@@ -48,6 +48,7 @@ class Run:
     target_calls: int | None = None
     drafted: int | None = None
     accepted: int | None = None
+    prediction: tuple[int, int] | None = None  # prediction tokens accepted, rejected
 
 
 @dataclass
@@ -72,6 +73,8 @@ class Row:
     speedup_vs_target_alone: float | None = None  # against its own bundle's target alone
     decode_speedup_vs_target_alone: float | None = None
     categories: dict[str, dict] = field(default_factory=dict)  # per prompt category
+    accepted_prediction_tokens: int | None = None  # rows drafting from a prediction
+    rejected_prediction_tokens: int | None = None
 
 
 def load_prompts(
@@ -110,6 +113,7 @@ def summarize(name: str, runs: list[Run]) -> Row:
     calls = [r.target_calls for r in runs]
     drafted = [r.drafted for r in runs]
     decode_seconds = seconds - sum(r.ttft for r in runs)
+    predicted = [r.prediction for r in runs if r.prediction is not None]
     return Row(
         name=name,
         tokens_per_s=new / seconds,
@@ -125,6 +129,8 @@ def summarize(name: str, runs: list[Run]) -> Row:
         ),
         new_tokens=new,
         seconds=seconds,
+        accepted_prediction_tokens=sum(a for a, _ in predicted) if predicted else None,
+        rejected_prediction_tokens=sum(r for _, r in predicted) if predicted else None,
     )
 
 
@@ -166,7 +172,7 @@ def hf_runner(
         max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=0
     )
 
-    def run(ids: list[int]) -> Run:
+    def run(ids: list[int], _index: int | None = None) -> Run:
         streamer = _TimingStreamer()
         with torch.inference_mode():
             out = model.generate(
@@ -199,7 +205,7 @@ def genai_runner(
 
     model = og.Model(str(folder))
 
-    def run(ids: list[int]) -> Run:
+    def run(ids: list[int], _index: int | None = None) -> Run:
         params = og.GeneratorParams(model)
         total = len(ids) + max_new_tokens
         shortest = len(ids) + 1 if stop_at_eos else total
@@ -217,10 +223,23 @@ def genai_runner(
     return run
 
 
-def specrt_runner(rt: SpeculativeRuntime, max_new_tokens: int, stop_at_eos=False, **options):
-    def run(ids: list[int]) -> Run:
+def specrt_runner(
+    rt: SpeculativeRuntime,
+    max_new_tokens: int,
+    stop_at_eos=False,
+    guesses: Sequence[str | None] = (),
+    **options,
+):
+    """guesses: the prediction sent with each prompt (by its index), for prediction rows."""
+
+    def run(ids: list[int], index: int | None = None) -> Run:
+        guess = guesses[index] if guesses and index is not None else None
         result = rt.generate(
-            ids, max_new_tokens=max_new_tokens, ignore_eos=not stop_at_eos, **options
+            ids,
+            max_new_tokens=max_new_tokens,
+            ignore_eos=not stop_at_eos,
+            prediction=guess,
+            **options,
         )
         s = result.stats
         return Run(
@@ -231,6 +250,7 @@ def specrt_runner(rt: SpeculativeRuntime, max_new_tokens: int, stop_at_eos=False
             s.target_calls,
             s.drafted,
             s.accepted,
+            (s.accepted_prediction_tokens, s.rejected_prediction_tokens) if guess else None,
         )
 
     return run
@@ -241,7 +261,7 @@ def measure(name: str, runner, prompt_ids: list[list[int]], repeat: int, log: Lo
     runs, outputs = [], []
     for i, ids in enumerate(prompt_ids):
         for r in range(repeat):
-            run = runner(ids)
+            run = runner(ids, i)
             runs.append(run)
             if r == 0:
                 outputs.append(run.token_ids)
@@ -270,11 +290,12 @@ def by_category(runs: list[Run], categories: list[str], repeat: int) -> dict[str
 
 
 def specrt_configs(
-    ks: Sequence[int] = FIXED_KS, suffix: str = "", has_draft: bool = True
+    ks: Sequence[int] = FIXED_KS, suffix: str = "", has_draft: bool = True, predicted=False
 ) -> list[tuple[str, dict]]:
     """Target alone, then the draft model's rows (fixed K, heuristic, adaptive) where there is
     one, then the lookup's: n-gram alone and hybrid (n-gram when it matches, else the model),
-    both under the adaptive policy."""
+    both under the adaptive policy; then, for prompts that carry a prediction, the prediction
+    (the bundle's drafter where it has nothing) and another prompt's prediction (all wrong)."""
     configs = [(TARGET_ALONE, {"speculate": False})]
     if has_draft:
         configs += [(f"specrt_fixed_{k}", {"controller": f"fixed:{k}"}) for k in ks]
@@ -285,6 +306,9 @@ def specrt_configs(
     configs.append(("specrt_ngram", {"controller": "adaptive", "drafter": "ngram"}))
     if has_draft:
         configs.append(("specrt_hybrid", {"controller": "adaptive", "drafter": "hybrid"}))
+    if predicted:
+        configs.append(("specrt_predicted", {"controller": "adaptive", "guess": "own"}))
+        configs.append(("specrt_wrong_prediction", {"controller": "adaptive", "guess": "other"}))
     return [(name + suffix, options) for name, options in configs]
 
 
@@ -318,6 +342,8 @@ def run_bench(
     tokenizer = TextTokenizer.from_bundle(bundles[0])
     prompt_ids = [tokenizer.encode_prompt(p.get("messages") or p["prompt"]) for p in prompts]
     wanted = (lambda name: name in only) if only else (lambda name: True)
+    own = [p.get("prediction") for p in prompts]
+    guesses = {"own": own, "other": own[1:] + own[:1]}  # "other": another prompt's, all wrong
     rows, outputs, notes, costs = [], {}, [], {}
 
     categories = [p["category"] for p in prompts]
@@ -347,14 +373,16 @@ def run_bench(
     for bundle in bundles:
         label = bundle.precision_label
         suffix = "" if label == "d-fp32_t-fp32" else f"_{label}"
-        every = specrt_configs(bundle_ks(bundle), suffix, bundle.has_draft)
+        every = specrt_configs(bundle_ks(bundle), suffix, bundle.has_draft, any(own))
         configs = [(n, o) for n, o in every if wanted(n)]
         if not configs:
             continue
         rt = SpeculativeRuntime.load(bundle.path, threads=threads, calibrate=False)
         costs[label] = cost_report(rt)
         for name, options in configs:
-            runner = specrt_runner(rt, max_new_tokens, stop_at_eos, **options)
+            options = dict(options)
+            chosen = guesses[options.pop("guess")] if "guess" in options else ()
+            runner = specrt_runner(rt, max_new_tokens, stop_at_eos, chosen, **options)
             record(name, runner, TARGET_ALONE + suffix)
         del rt
         gc.collect()
@@ -558,10 +586,23 @@ def markdown(result: dict) -> str:
             f"| {r.get('rss_mb', 0):.0f} |"
         )
     lines += ["", '"= target alone" compares with the target-alone row of the same bundle.']
+    lines += _prediction_lines(result["configs"])
     lines += _category_lines(result["configs"])
     lines += _cost_lines(result.get("costs", {}))
     lines += ["", *[f"- {note}" for note in result["notes"]], ""]
     return "\n".join(lines)
+
+
+def _prediction_lines(rows: list[dict]) -> list[str]:
+    """Prediction tokens the outputs kept and dropped, for the rows that sent one."""
+    predicted = [r for r in rows if r.get("accepted_prediction_tokens") is not None]
+    if not predicted:
+        return []
+    lines = ["", "| configuration | prediction tokens accepted | rejected |", "|---|---|---|"]
+    for r in predicted:
+        accepted, rejected = r["accepted_prediction_tokens"], r["rejected_prediction_tokens"]
+        lines.append(f"| {r['name']} | {accepted} | {rejected} |")
+    return lines
 
 
 def _category_lines(rows: list[dict]) -> list[str]:

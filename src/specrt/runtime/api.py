@@ -25,6 +25,7 @@ from specrt.runtime.controller import make_controller
 from specrt.runtime.costs import StepCosts, measure_costs
 from specrt.runtime.drafters import make_drafter
 from specrt.runtime.generation import Generation, Result
+from specrt.runtime.prediction import PredictionDrafter
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.scheduler import Scheduler
 from specrt.runtime.speculative import Request
@@ -65,7 +66,10 @@ class SpeculativeRuntime:
         """Measure the draft step and the verify curve for K = 0..K_max at each batch size up to
         the engines' slots (a few target calls), so the adaptive policy's first rounds already
         use this machine's costs."""
-        self.costs = measure_costs(self.draft, self.target, self.bundle.max_draft, slots=self.slots)
+        bundle = self.bundle
+        self.costs = measure_costs(
+            self.draft, self.target, bundle.max_draft, slots=self.slots, k_lookup=bundle.max_lookup
+        )
         return self.costs
 
     @classmethod
@@ -124,6 +128,7 @@ class SpeculativeRuntime:
         max_draft: int | None = None,
         ignore_eos: bool = False,
         timeout: float | None = None,
+        prediction: str | None = None,
     ) -> Generation:
         """Start a request; iterate the result for text deltas, then read `.result`.
 
@@ -133,7 +138,9 @@ class SpeculativeRuntime:
         runtime's) or a drafter object of one's own; speculate=False runs the target alone;
         min_draft/max_draft bound the K a spec may choose (K_max caps max_draft); ignore_eos
         generates exactly max_new_tokens (what benchmarks need); timeout, in seconds from now,
-        ends the generation after the round in flight (finish "timeout").
+        ends the generation after the round in flight (finish "timeout"); prediction is text
+        the output is expected to mostly repeat (OpenAI's Predicted Outputs), drafted for free
+        where the output follows it, by the drafter elsewhere.
         """
         if max_new_tokens < 1:
             raise SpecrtError(
@@ -144,14 +151,37 @@ class SpeculativeRuntime:
         if min_draft is not None or max_draft is not None:
             bounds = (min_draft or 0, self.bundle.max_draft if max_draft is None else max_draft)
         spec = controller or self.controller
-        policy = make_controller(spec, self.bundle.max_draft, self.costs, bounds=bounds)
+        bundle = self.bundle
+        policy = make_controller(
+            spec, bundle.max_draft, self.costs, bounds=bounds, k_lookup=bundle.max_lookup
+        )
         source = make_drafter(drafter or self.drafter, self.draft) if speculate else None
+        if prediction is not None:
+            predicted = self._predicted(prediction, source)  # checked even when not speculating
+            source = predicted if speculate else None
         rng = np.random.default_rng(seed)
         request = Request(self.encode(prompt), params, max_new_tokens, rng, policy, source)
         eos = frozenset() if ignore_eos else self.eos_token_ids
         stops = StopRules(self.tokenizer, stop, eos, max_new_tokens)
         deadline = None if timeout is None else time.monotonic() + timeout
         return Generation(self, request, stops, deadline)
+
+    def _predicted(self, prediction, fallback) -> PredictionDrafter:
+        """A drafter of the prediction's text, the request's own drafter where it has nothing."""
+        if not isinstance(prediction, str):
+            raise SpecrtError(
+                f"the prediction must be text, got {type(prediction).__name__}",
+                param="prediction",
+            )
+        count = len(self.tokenizer.encode(prediction, add_special_tokens=False))
+        if count > self.bundle.max_context:
+            raise SpecrtError(
+                f"the prediction has {count} tokens; the bundle's max context is "
+                f"{self.bundle.max_context}",
+                param="prediction",
+                code="context_length_exceeded",
+            )
+        return PredictionDrafter(prediction, self.tokenizer, fallback)
 
     def serve_alone(self, generation: Generation) -> Iterator[str]:
         """Run one generation to its end (a batch of one, in slot 0), yielding its text."""

@@ -54,6 +54,7 @@ class Stats:
     accepted_counts: list[int] = field(default_factory=list)  # per round
     batch_sizes: list[int] = field(default_factory=list)  # per round: requests in the round
     token_times: list[float] = field(default_factory=list)  # seconds from start, per token
+    token_origins: list[str] = field(default_factory=list)  # per token: draft, prediction, target
 
     def record(self, step: Round, i: int) -> None:
         """Request i's part in one round."""
@@ -75,6 +76,22 @@ class Stats:
         return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
+    def accepted_prediction_tokens(self) -> int:
+        """Tokens of the prediction that the output kept (OpenAI's usage field)."""
+        return self._prediction_counts()[0]
+
+    @property
+    def rejected_prediction_tokens(self) -> int:
+        """Tokens of the prediction that were verified and not kept."""
+        return self._prediction_counts()[1]
+
+    def _prediction_counts(self) -> tuple[int, int]:
+        rounds = zip(self.sources, self.drafted_counts, self.accepted_counts, strict=True)
+        predicted = [(drafted, accepted) for s, drafted, accepted in rounds if s == "prediction"]
+        accepted = sum(a for _, a in predicted)
+        return accepted, sum(d for d, _ in predicted) - accepted
+
+    @property
     def tokens_per_target_call(self) -> float:
         return self.new_tokens / self.target_calls if self.target_calls else 0.0
 
@@ -86,7 +103,13 @@ class Stats:
         return per_token_latencies(self.token_times, self.ttft_seconds)
 
     def to_dict(self) -> dict:
-        derived = ("acceptance_rate", "tokens_per_target_call", "tokens_per_second")
+        derived = (
+            "acceptance_rate",
+            "tokens_per_target_call",
+            "tokens_per_second",
+            "accepted_prediction_tokens",
+            "rejected_prediction_tokens",
+        )
         return {**asdict(self), **{name: getattr(self, name) for name in derived}}
 
 
@@ -138,13 +161,16 @@ class Generation:
         """Its prefill starts now: times are measured from here."""
         self._start = time.perf_counter()
 
-    def absorb(self, tokens: Sequence[int]) -> None:
-        """Take a round's emitted tokens, up to the one that ends the output."""
+    def absorb(self, tokens: Sequence[int], origins: Sequence[str] = ()) -> None:
+        """Take a round's emitted tokens, up to the one that ends the output; origins says who
+        made each (draft, prediction; target where not given)."""
         now = time.perf_counter() - self._start
         if not self.stops.tokens:
             self.stats.ttft_seconds = now
-        for token in tokens:
+        origins = [*origins, *["target"] * (len(tokens) - len(origins))]
+        for token, origin in zip(tokens, origins, strict=True):
             self.stats.token_times.append(now)
+            self.stats.token_origins.append(origin)
             if self.stops.push(token):
                 break
         reason = self.interrupted()

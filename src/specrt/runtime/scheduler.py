@@ -84,7 +84,7 @@ class Scheduler:
             step = speculate([g.request for g in active], self.target, self.costs)
             for i, generation in enumerate(active):
                 generation.stats.record(step, i)
-                generation.absorb(step.emitted[i])
+                generation.absorb(step.emitted[i], step.origins(i))
                 if generation.stopped:
                     self._leave(generation)
         return Step(moved, len(active))

@@ -61,6 +61,12 @@ class Round:
     draft_seconds: float
     verify_seconds: float
 
+    def origins(self, i: int) -> list[str]:
+        """Who made each token request i emitted: its accepted drafts (the draft model or a
+        lookup: draft; the client's prediction), then the target's own token."""
+        made = "prediction" if self.sources[i] == "prediction" else "draft"
+        return [made] * self.accepted[i] + ["target"]
+
 
 def prefill(req: Request, target: Engine) -> int:
     """Start a request in its slot: the prompt in one call of its own, the first token drawn

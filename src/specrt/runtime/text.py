@@ -37,6 +37,12 @@ class TextTokenizer:
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_spans(self, text: str) -> tuple[list[int], list[int]]:
+        """Token ids of text (no special tokens) and the character each token ends at: where a
+        text may be cut so that what follows starts a token."""
+        encoding = self.tokenizer.encode(text, add_special_tokens=False)
+        return encoding.ids, [end for _, end in encoding.offsets]
+
     def encode_prompt(self, prompt: str | Sequence[dict] | Sequence[int]) -> list[int]:
         """Text is tokenized as is; a list of {role, content} dicts goes through the chat
         template; a list of ints is taken as token ids."""

@@ -36,6 +36,27 @@ class Speculation(BaseModel):
     drafter: str | None = None  # model | ngram | hybrid
 
 
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(BaseModel):
+    """OpenAI's Predicted Outputs: text the output is expected to mostly repeat (a file with
+    one function changed), drafted for free where the output follows it."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
 class _Request(BaseModel):
     """The fields both endpoints share."""
 
@@ -57,6 +78,7 @@ class _Request(BaseModel):
     n_max: int | None = Field(None, alias="speculative.n_max")  # llama.cpp's bounds on K
     n_min: int | None = Field(None, alias="speculative.n_min")
     ignore_eos: bool = False  # extension (vLLM): generate exactly max_tokens
+    prediction: Prediction | None = None  # on completions too, as an extension
     user: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -104,6 +126,7 @@ class _Request(BaseModel):
             "min_draft": self.n_min,
             "max_draft": self.n_max,
             "ignore_eos": self.ignore_eos,
+            "prediction": self.prediction.text if self.prediction else None,
         }
 
 
@@ -134,12 +157,6 @@ class CompletionRequest(_Request):
                 )
             prompt = prompt[0]
         return prompt
-
-
-class TextPart(BaseModel):
-    model_config = ConfigDict(strict=True)
-    type: Literal["text"]
-    text: str
 
 
 class Message(BaseModel):
@@ -185,11 +202,18 @@ class ChatRequest(_Request):
 
 
 def usage(result: Result) -> dict:
-    prompt, completion = result.stats.prompt_tokens, len(result.token_ids)
+    """OpenAI's usage: prediction tokens the output kept, and those verified and dropped."""
+    s = result.stats
+    prompt, completion = s.prompt_tokens, len(result.token_ids)
+    details = {
+        "accepted_prediction_tokens": s.accepted_prediction_tokens,
+        "rejected_prediction_tokens": s.rejected_prediction_tokens,
+    }
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "completion_tokens_details": details,
     }
 
 

@@ -5,7 +5,8 @@ of the next 4 tokens (8^4 sequences) is computable from the target alone. 20,000
 through the speculative loop (the first token from the prefill, then rounds of up to K = 2
 drafts, so acceptance, residual and bonus draws all occur) must fit it, for a good draft and a
 bad one, under temperature, top-k and top-p, and for lookup (n-gram) drafts, which are point
-masses, and for a request sampled inside a batch beside another request. The same test must
+masses, for a prediction that is half right (point masses too), and for a request sampled
+inside a batch beside another request. The same test must
 fail when the residual rule is broken, or when a lookup draft is taken for certain, or it would
 prove nothing.
 """
@@ -27,8 +28,10 @@ from specrt.exporter.tiny import make_tiny_pair
 from specrt.runtime.controller import Adaptive, Fixed
 from specrt.runtime.costs import StepCosts
 from specrt.runtime.drafters import ModelDrafter, NgramDrafter
+from specrt.runtime.prediction import PredictionDrafter
 from specrt.runtime.sampling import SamplingParams, probabilities
 from specrt.runtime.speculative import Request, prefill, speculate
+from specrt.runtime.text import TextTokenizer
 
 VOCAB, NEW, SAMPLES, CAPACITY = 8, 4, 20_000, 16
 PROMPT = [1, 5, 3]
@@ -165,6 +168,34 @@ def test_lookup_drafts_are_point_masses_and_stay_lossless(engines, setting):
     exact = exact_distribution(engines["target"], params)
     counts, acceptance_rate = sample_counts(
         NgramDrafter(min_n=1, max_n=2), engines["target"], params, lambda: Fixed(2)
+    )
+    assert chi_square_p(counts, exact) > 1e-3
+    assert 0.05 < acceptance_rate < 0.95  # both acceptance and rejection really occur
+
+
+@pytest.fixture(scope="module")
+def letters(tmp_path_factory) -> TextTokenizer:
+    """A real tokenizer whose 8 tokens are the letters a..h, one character each, so that a
+    prediction over this vocabulary is text like any other."""
+    from tokenizers import Tokenizer, decoders, models
+
+    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate("abcdefgh")}, merges=[]))
+    tokenizer.decoder = decoders.Fuse()
+    folder = tmp_path_factory.mktemp("letters")
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return TextTokenizer(folder, None)
+
+
+def test_a_half_right_prediction_stays_lossless(engines, letters):
+    """The prediction is the likeliest 4-token output's first two tokens, then the two least
+    likely: its drafts are point masses, accepted with probability p(x) and often rejected."""
+    params = PARAMS["temperature"]
+    exact = exact_distribution(engines["target"], params)
+    likeliest = np.unravel_index(exact.argmax(), [VOCAB] * NEW)
+    unlikeliest = np.unravel_index(exact.argmin(), [VOCAB] * NEW)
+    guess = "".join("abcdefgh"[int(t)] for t in [*likeliest[:2], *unlikeliest[2:]])
+    counts, acceptance_rate = sample_counts(
+        PredictionDrafter(guess, letters, None), engines["target"], params, lambda: Fixed(2)
     )
     assert chi_square_p(counts, exact) > 1e-3
     assert 0.05 < acceptance_rate < 0.95  # both acceptance and rejection really occur

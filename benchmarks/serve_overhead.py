@@ -8,7 +8,7 @@ The server runs as its own process (`specrt serve`, as a user starts it); the Py
 in this process. Both are timed the same way, from the caller's side: from the call to the first
 text and to the last. Runs alternate between the two for every prompt so that the machine's
 drift touches both alike. Greedy, EOS ignored, so every run has the same length; outputs must be
-identical.
+identical. A prompt that carries a "prediction" sends it both ways (Predicted Outputs).
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ def through_api(rt: SpeculativeRuntime, item: dict, max_new: int, controller: st
         max_new_tokens=max_new,
         controller=controller,
         ignore_eos=True,
+        prediction=item.get("prediction"),
     )
     first = None
     for _ in generation:
@@ -80,6 +81,8 @@ def through_server(api: openai.OpenAI, model: str, item: dict, max_new: int, con
         stream_options={"include_usage": True},
         extra_body={"speculation": controller, "ignore_eos": True},
     )
+    if item.get("prediction") is not None:
+        options["extra_body"]["prediction"] = {"type": "content", "content": item["prediction"]}
     chat = "messages" in item
     start = time.perf_counter()
     if chat:

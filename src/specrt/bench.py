@@ -34,7 +34,7 @@ from specrt.runtime.generation import per_token_latencies
 from specrt.runtime.text import TextTokenizer
 
 FIXED_KS = (1, 2, 4, 6, 8)
-CURVE_TOKENS = 17  # verify costs are reported for K = 0..16 drafts
+CURVE_TOKENS = 17  # verify costs are reported for K = 0..16 drafts, then to the lookup window
 TARGET_ALONE = "specrt_target_only"
 Log = Callable[[str], None]
 
@@ -409,12 +409,14 @@ def run_bench(
 
 
 def cost_report(rt: SpeculativeRuntime) -> dict:
-    """The draft step and the target's verify curve after a 48-token prefix, K = 0..16 drafts
-    (beyond the bundle's K_max only where its context allows), in ms and relative to K = 0.
+    """The draft step and the target's verify curve after a 48-token prefix, K = 0..16 drafts,
+    then a few windows up to the bundle's lookup window (beyond its K_max only where its context
+    allows), in ms and relative to K = 0.
 
     The same measurement calibrates the runtime, so the bench measures the curve once."""
     room = rt.target.capacity - 48
-    rt.costs = measure_costs(rt.draft, rt.target, min(CURVE_TOKENS, room) - 1, repeats=3)
+    k_max, window = min(CURVE_TOKENS, room) - 1, min(rt.bundle.max_lookup, room - 1)
+    rt.costs = measure_costs(rt.draft, rt.target, k_max, repeats=3, k_lookup=window)
     curve, draft = rt.costs.curve(), rt.costs.draft_step
     one = curve[1]
     return {

@@ -173,15 +173,15 @@ class SpeculativeRuntime:
                 f"the prediction must be text, got {type(prediction).__name__}",
                 param="prediction",
             )
-        count = len(self.tokenizer.encode(prediction, add_special_tokens=False))
-        if count > self.bundle.max_context:
+        drafter = PredictionDrafter(prediction, self.tokenizer, fallback)
+        if drafter.length > self.bundle.max_context:
             raise SpecrtError(
-                f"the prediction has {count} tokens; the bundle's max context is "
+                f"the prediction has {drafter.length} tokens; the bundle's max context is "
                 f"{self.bundle.max_context}",
                 param="prediction",
                 code="context_length_exceeded",
             )
-        return PredictionDrafter(prediction, self.tokenizer, fallback)
+        return drafter
 
     def serve_alone(self, generation: Generation) -> Iterator[str]:
         """Run one generation to its end (a batch of one, in slot 0), yielding its text."""

@@ -44,12 +44,14 @@ class PredictionDrafter:
         self._cursor = 0  # the next token of the prediction the output would continue with
         self._synced = 0  # the length of the sequence the cursor stands after
         self._proposing = False  # whether this round's offer was the prediction's
+        self._tokenize_from(0)
+        self.length = len(self._tokens)  # the prediction's tokens, tokenized alone
 
     def start(self, prompt: Sequence[int], slot: int) -> None:
         if self.fallback is not None:
             self.fallback.start(prompt, slot)
         self._output = self._synced = len(prompt)
-        self._tokenize_from(0)
+        self._stand_at(0)
 
     def offer(self, seq: Sequence[int], limit: int) -> Offer:
         if self._follow(seq) or self._resync(seq):
@@ -102,12 +104,9 @@ class PredictionDrafter:
         """Put the cursor at a character of the text: at a token boundary, or by tokenizing the
         rest of the text again from there."""
         offset = char - self._base
-        if offset == 0:
-            self._cursor = 0
-            return
-        index = bisect_right(self._ends, offset) - 1  # the last token ending there
-        if offset > 0 and index >= 0 and self._ends[index] == offset:
-            self._cursor = index + 1
+        index = bisect_right(self._ends, offset)  # the tokens ending there or before
+        if offset == 0 or (offset > 0 and index and self._ends[index - 1] == offset):
+            self._cursor = index
         else:
             self._tokenize_from(char)
 

@@ -93,20 +93,44 @@ def select_profile(profiles: list[Profile], new_tokens: int, total: int) -> int:
 
 
 def input_shapes(
-    profile: Profile, *, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int
+    profile: Profile,
+    *,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    capacity: int,
+    batch: int = 1,
+    margin: int = 0,
 ) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
-    """min/opt/max shape of every graph input under `profile` (batch 1)."""
-    tokens = tuple((1, n) for n in (profile.min_tokens, profile.opt_tokens, profile.max_tokens))
-    total = tuple((1, n) for n in (profile.min_total, profile.opt_total, profile.max_total))
-    cache = ((1, num_kv_heads, capacity, head_dim),) * 3
-    shapes = {"input_ids": tokens, "position_ids": tokens, "attention_mask": total}
-    shapes["logits_to_keep"] = ((1,),) * 3
+    """min/opt/max shape of every graph input under `profile`, for calls of 1..batch rows (opt:
+    one) on caches of capacity + margin positions (the margin lets a padded batched call write
+    past the longest row's context, so its total reaches margin further)."""
+
+    def rows(low: int, opt: int, high: int, top: int = 0):
+        return (1, low), (1, opt), (batch, high + top)
+
+    cache = (batch, num_kv_heads, capacity + margin, head_dim)
+    tokens = rows(profile.min_tokens, profile.opt_tokens, profile.max_tokens)
+    shapes = {
+        "input_ids": tokens,
+        "position_ids": tokens,
+        "attention_mask": rows(profile.min_total, profile.opt_total, profile.max_total, margin),
+        "logits_to_keep": ((1,),) * 3,
+    }
     for i in range(num_layers):
         for kind in ("key", "value"):
-            shapes[f"past_key_values.{i}.{kind}"] = cache
+            shapes[f"past_key_values.{i}.{kind}"] = ((1, *cache[1:]), (1, *cache[1:]), cache)
     return shapes
 
 
 def keep_values(profile: Profile) -> tuple[tuple[int], tuple[int], tuple[int]]:
-    """min/opt/max *value* of the `logits_to_keep` shape input under `profile`."""
-    return (1,), (profile.opt_keep,), (profile.max_tokens,)
+    """min/opt/max *value* of the `logits_to_keep` shape input under `profile`: a prefill and a
+    decode keep the last row (the runtime asks no more of them), a verify call every row."""
+    most = profile.max_tokens if profile.name == "verify" else 1
+    return (1,), (min(profile.opt_keep, most),), (most,)
+
+
+def kept_rows(profiles: list[Profile]) -> int:
+    """The most logits rows one call of batch 1 returns: what an engine's logits buffer holds
+    (a verify window, not a prompt: at a 151,936-token vocabulary, 2,048 rows would be 1.2 GB)."""
+    return max(keep_values(p)[2][0] for p in profiles)

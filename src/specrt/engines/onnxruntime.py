@@ -22,7 +22,7 @@ from specrt.bundle import Bundle
 from specrt.engines.base import BufferCache, RowCall, check_room, check_slot
 from specrt.errors import SpecrtError
 from specrt.files import specrt_home
-from specrt.profiles import input_shapes, profiles_from_manifest
+from specrt.profiles import input_shapes, keep_values, profiles_from_manifest
 
 DEVICE_OF_PROVIDER = {"CUDAExecutionProvider": "cuda", "TensorrtExecutionProvider": "cuda"}
 PROVIDER_OF_BACKEND = {
@@ -38,23 +38,29 @@ def default_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
 
 
-def trt_profile_options(bundle: Bundle, role: str) -> dict[str, str]:
-    """The bundle's prefill/decode/verify profiles as ONNX Runtime TensorRT provider options
-    (one `name:dims` entry per input and profile, in profile order)."""
+def trt_profile_options(bundle: Bundle, role: str, slots: int = 1) -> dict[str, str]:
+    """The bundle's prefill/decode/verify profiles as ONNX Runtime TensorRT provider options:
+    one `name:dims` entry per input and profile, in profile order, for calls of 1..slots rows
+    on the engine's caches (max context plus the margin). Every input TensorRT sees as dynamic
+    is named, or the provider builds an engine for the first shape it meets and rebuilds on the
+    next; `logits_to_keep` sets an output shape, so TensorRT makes it a shape tensor, whose entry
+    gives its *values* (1 for a prefill, up to the window for a verify) rather than dims."""
     r = bundle.role(role)
     dims = {k: r.dim(k) for k in ("num_layers", "num_kv_heads", "head_dim")}
+    margin = bundle.cache_margin if bundle.per_row_positions else 0
     lists: dict[str, list[str]] = {"min": [], "opt": [], "max": []}
     for profile in profiles_from_manifest(bundle.manifest):
-        shapes = input_shapes(profile, capacity=bundle.max_context, **dims)
+        shapes = input_shapes(
+            profile, capacity=bundle.max_context, batch=slots, margin=margin, **dims
+        )
+        shapes["logits_to_keep"] = keep_values(profile)
         for name, bounds in shapes.items():
-            if name == "logits_to_keep":  # static shape [1]: no range to give
-                continue
             for key, shape in zip(lists, bounds, strict=True):
                 lists[key].append(f"{name}:{'x'.join(map(str, shape))}")
     return {f"trt_profile_{key}_shapes": ",".join(entries) for key, entries in lists.items()}
 
 
-def providers_for(bundle: Bundle, role: str, backend: str) -> list:
+def providers_for(bundle: Bundle, role: str, backend: str, slots: int = 1) -> list:
     """Execution providers for a backend name; a GPU provider that this onnxruntime build
     lacks is an error, not a silent fall-back to the CPU."""
     provider = PROVIDER_OF_BACKEND[backend]
@@ -70,13 +76,29 @@ def providers_for(bundle: Bundle, role: str, backend: str) -> list:
     if backend == "onnxruntime-tensorrt":
         cache = specrt_home() / "ort-tensorrt" / bundle.path.resolve().name / role
         options = {
-            **trt_profile_options(bundle, role),
-            "trt_fp16_enable": "True",
+            **trt_profile_options(bundle, role, slots),
+            # The graph's own types decide the precision: fp16 kernels for an fp16 graph only,
+            # so a float32 bundle stays float32 (and exact against the CPU target).
+            "trt_fp16_enable": str(bundle.role(role).precision == "fp16"),
             "trt_engine_cache_enable": "True",
             "trt_engine_cache_path": str(cache),
             "trt_timing_cache_enable": "True",
         }
     return [(provider, options), "CUDAExecutionProvider", "CPUExecutionProvider"]
+
+
+def check_providers(asked: Sequence[str | tuple[str, dict]], running: Sequence[str]) -> None:
+    """Refuse a session whose first provider did not register. ONNX Runtime logs the reason
+    (TensorRT or CUDA libraries not found, a driver too old) and carries on with the next
+    provider in the list, so a GPU backend would run on the CPU, slowly, saying nothing."""
+    first = asked[0] if isinstance(asked[0], str) else asked[0][0]
+    if first not in running:
+        raise SpecrtError(
+            f"ONNX Runtime could not start {first} and fell back to "
+            f"{', '.join(running) or 'nothing'}: its log above says why (usually CUDA, cuDNN or "
+            "TensorRT libraries it cannot find, or onnxruntime and onnxruntime-gpu installed "
+            "side by side; `specrt doctor` checks)"
+        )
 
 
 class OrtEngine(BufferCache):
@@ -118,6 +140,7 @@ class OrtEngine(BufferCache):
             self.session = ort.InferenceSession(str(graph), options, providers=providers)
         except Exception as err:  # ORT raises its own types for corrupt or unloadable graphs
             raise SpecrtError(f"{graph}: ONNX Runtime cannot load this graph: {err}") from err
+        check_providers(providers, self.session.get_providers())
         first = providers[0] if isinstance(providers[0], str) else providers[0][0]
         self.device = DEVICE_OF_PROVIDER.get(first, "cpu")
         self.vocab_size, self.slots, self.even_rows = vocab_size, slots, even_rows
@@ -155,7 +178,8 @@ class OrtEngine(BufferCache):
         cls, bundle: Bundle, role: str, backend: str = "onnxruntime", **options
     ) -> OrtEngine:
         r = bundle.role(role)
-        options.setdefault("providers", providers_for(bundle, role, backend))
+        slots = options.get("slots", 1)
+        options.setdefault("providers", providers_for(bundle, role, backend, slots))
         # Only the target's numbers decide the output; a draft may differ between call shapes.
         options.setdefault("even_rows", role == "target" and r.precision in ("int8", "int4"))
         if role == "target" and r.precision == "fp16" and backend == "onnxruntime":

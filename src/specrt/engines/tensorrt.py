@@ -14,6 +14,12 @@ other, and swap them after the call (ping-pong): one device-side copy of the cac
 rollback still only moves a length. TensorRT 10.15's KV-cache update layer would write only the
 new positions; see README, 'GPU'.
 
+Every address bound is a buffer of its own from cudaMalloc (256-byte aligned, as TensorRT wants
+its I/O): a call's position ids are copied into their own small buffer rather than bound at an
+offset into a table of all positions. The three profiles' execution contexts share one scratch
+allocation (user-managed context memory: calls run one at a time on one stream), and the logits
+buffer holds the most rows a call keeps (a verify window; a prefill keeps one).
+
 The attention mask's length (past + new) is a dynamic shape that changes every call, so CUDA graphs,
 which fix shapes and addresses, are not captured.
 """
@@ -29,18 +35,31 @@ import numpy as np
 from specrt.bundle import Bundle
 from specrt.engines.base import BufferCache, OneSlot, check_room
 from specrt.errors import SpecrtError
-from specrt.profiles import Profile, profiles_from_manifest, select_profile
+from specrt.profiles import Profile, kept_rows, profiles_from_manifest, select_profile
 
 INT64 = np.dtype(np.int64).itemsize
+ALIGNMENT = 256  # bytes: TensorRT's requirement for every I/O tensor address
 
 
 @dataclass(frozen=True)
 class CallPlan:
     profile: int
     shapes: dict[str, tuple[int, ...]]  # every input's shape for this call
-    position_offset: int  # bytes into the device buffer holding 0..capacity-1
+    positions: np.ndarray  # the new tokens' position ids, copied to their own device buffer
     keep: int  # value of the logits_to_keep shape input
     read: int  # which of the two cache buffers is the past (the other receives present)
+
+
+@dataclass(frozen=True)
+class DeviceBuffers:
+    """Where each tensor lives on the device; every address comes from its own cudaMalloc."""
+
+    ids: int
+    positions: int
+    mask: int
+    keep: int  # 0 where logits_to_keep is a shape input, read from host memory
+    logits: int
+    caches: list[list[int]]  # [2][layer × (key, value)]: ping-pong pairs
 
 
 def call_plan(
@@ -64,10 +83,42 @@ def call_plan(
     return CallPlan(
         profile=select_profile(profiles, count, total),
         shapes=shapes,
-        position_offset=start * INT64,
+        positions=np.arange(start, total, dtype=np.int64),
         keep=keep,
         read=parity,
     )
+
+
+def device_addresses(
+    plan: CallPlan, buffers: DeviceBuffers, cache_names: list[tuple[str, str]]
+) -> dict[str, int]:
+    """The device address of every tensor bound for one call (a host shape input is not among
+    them); `check_aligned` holds them to TensorRT's alignment."""
+    addresses = {
+        "input_ids": buffers.ids,
+        "position_ids": buffers.positions,
+        "attention_mask": buffers.mask,
+        "logits": buffers.logits,
+    }
+    if buffers.keep:
+        addresses["logits_to_keep"] = buffers.keep
+    past, present = buffers.caches[plan.read], buffers.caches[1 - plan.read]
+    for (past_name, present_name), src, dst in zip(cache_names, past, present, strict=True):
+        addresses[past_name], addresses[present_name] = src, dst
+    return addresses
+
+
+def check_aligned(addresses: dict[str, int]) -> None:
+    misaligned = {name: hex(a) for name, a in addresses.items() if a % ALIGNMENT}
+    if misaligned:
+        raise SpecrtError(
+            f"TensorRT needs {ALIGNMENT}-byte aligned tensor addresses; these are not: {misaligned}"
+        )
+
+
+def _bind(context, name: str, address: int) -> None:
+    if not context.set_tensor_address(name, address):
+        raise SpecrtError(f"TensorRT refused the address of {name} (see its log above)")
 
 
 def _cuda(result):
@@ -86,8 +137,8 @@ def _import():
         from cuda.bindings import runtime as cudart
     except ImportError as err:
         raise SpecrtError(
-            "the tensorrt backend needs TensorRT 10 and cuda-python on a machine with an NVIDIA "
-            f"GPU: pip install 'specrt[gpu]' (see README, 'GPU') ({err})"
+            "the tensorrt backend needs TensorRT 10.1+ and cuda-bindings on a machine with an "
+            f"NVIDIA GPU: pip install 'specrt[gpu]' (see README, 'GPU') ({err})"
         ) from err
     return trt, cudart
 
@@ -123,6 +174,10 @@ class TrtEngine(OneSlot, BufferCache):
         self._allocations: list[int] = []
         self._stream = _cuda(self._cudart.cudaStreamCreate())
         self.stream = int(self._stream)  # TensorRT takes the raw handle
+        self._trt = trt
+        # One scratch for every profile's context: only one call runs at a time.
+        self._scratch_bytes = self.engine.device_memory_size_v2
+        self._scratch = self._malloc(self._scratch_bytes) if self._scratch_bytes else 0
         cache_type = trt.nptype(self.engine.get_tensor_dtype("past_key_values.0.key"))
         logits_type = trt.nptype(self.engine.get_tensor_dtype("logits"))
         cache_bytes = num_kv_heads * capacity * head_dim * np.dtype(cache_type).itemsize
@@ -131,18 +186,21 @@ class TrtEngine(OneSlot, BufferCache):
             for i in range(num_layers)
             for kind in ("key", "value")
         ]
-        self._caches = [[self._malloc(cache_bytes) for _ in self._cache_names] for _ in range(2)]
         most = max(p.max_tokens for p in profiles)
-        self._ids = self._malloc(most * INT64)
-        self._positions = self._upload(np.arange(capacity, dtype=np.int64))
-        self._mask = self._upload(np.ones(capacity, dtype=np.int64))  # batch 1: no padding
-        self._logits = np.empty((most, vocab_size), logits_type)
-        self._device_logits = self._malloc(self._logits.nbytes)
+        self._kept = kept_rows(profiles)
+        self._logits = np.empty((self._kept, vocab_size), logits_type)
         self._keep = np.zeros(1, np.int64)
         # logits_to_keep sets an output shape, so TensorRT usually makes it a shape input, read
         # from host memory; where it does not, it is an ordinary device input.
         self._keep_on_host = self.engine.is_shape_inference_io("logits_to_keep")
-        self._device_keep = 0 if self._keep_on_host else self._malloc(INT64)
+        self._buffers = DeviceBuffers(
+            ids=self._malloc(most * INT64),
+            positions=self._malloc(most * INT64),
+            mask=self._upload(np.ones(capacity, dtype=np.int64)),  # batch 1: no padding
+            keep=0 if self._keep_on_host else self._malloc(INT64),
+            logits=self._malloc(self._logits.nbytes),
+            caches=[[self._malloc(cache_bytes) for _ in self._cache_names] for _ in range(2)],
+        )
 
     @classmethod
     def from_bundle(cls, bundle: Bundle, role: str) -> TrtEngine:
@@ -166,6 +224,11 @@ class TrtEngine(OneSlot, BufferCache):
 
     def forward(self, tokens: Sequence[int], last: int | None = None) -> np.ndarray:
         keep = check_room(self, len(tokens), last)
+        if keep > self._kept:
+            raise SpecrtError(
+                f"the TensorRT engine returns the logits of at most {self._kept} positions a call "
+                f"(a verify window; a prefill keeps its last), not {keep}"
+            )
         plan = call_plan(
             self.profiles,
             count=len(tokens),
@@ -177,50 +240,56 @@ class TrtEngine(OneSlot, BufferCache):
         )
         context = self._context(plan.profile)
         ids = np.ascontiguousarray(tokens, dtype=np.int64)
-        self._copy(self._ids, ids.ctypes.data, ids.nbytes, "cudaMemcpyHostToDevice")
+        buffers = self._buffers
+        self._copy(buffers.ids, ids.ctypes.data, ids.nbytes, "cudaMemcpyHostToDevice")
+        positions = plan.positions
+        self._copy(
+            buffers.positions, positions.ctypes.data, positions.nbytes, "cudaMemcpyHostToDevice"
+        )
         for name, shape in plan.shapes.items():
             if not context.set_input_shape(name, shape):
                 raise SpecrtError(f"TensorRT refused shape {shape} for {name} (outside profile)")
-        context.set_tensor_address("input_ids", self._ids)
-        context.set_tensor_address("position_ids", self._positions + plan.position_offset)
-        context.set_tensor_address("attention_mask", self._mask)
         self._keep[0] = plan.keep
         if self._keep_on_host:
-            context.set_tensor_address("logits_to_keep", self._keep.ctypes.data)
+            _bind(context, "logits_to_keep", self._keep.ctypes.data)
         else:
-            self._copy(self._device_keep, self._keep.ctypes.data, INT64, "cudaMemcpyHostToDevice")
-            context.set_tensor_address("logits_to_keep", self._device_keep)
-        past, present = self._caches[plan.read], self._caches[1 - plan.read]
-        for (past_name, present_name), src, dst in zip(
-            self._cache_names, past, present, strict=True
-        ):
-            context.set_tensor_address(past_name, src)
-            context.set_tensor_address(present_name, dst)
-        context.set_tensor_address("logits", self._device_logits)
+            self._copy(buffers.keep, self._keep.ctypes.data, INT64, "cudaMemcpyHostToDevice")
+        addresses = device_addresses(plan, buffers, self._cache_names)
+        check_aligned(addresses)
+        for name, address in addresses.items():
+            _bind(context, name, address)
         if not context.execute_async_v3(self.stream):
             raise SpecrtError("TensorRT failed to run the engine (see its log above)")
         out = self._logits[:keep]
-        self._copy(out.ctypes.data, self._device_logits, out.nbytes, "cudaMemcpyDeviceToHost")
+        self._copy(out.ctypes.data, buffers.logits, out.nbytes, "cudaMemcpyDeviceToHost")
         _cuda(self._cudart.cudaStreamSynchronize(self._stream))
         self._parity = 1 - plan.read
         self._lengths[0] += len(tokens)
         return out.astype(np.float32)
 
     def close(self) -> None:
-        """Free device memory now rather than at garbage collection."""
+        """Free device memory and the stream now rather than at garbage collection."""
+        self._contexts.clear()  # contexts hold the scratch; they go before it
         for pointer in self._allocations:
             self._cudart.cudaFree(pointer)
         self._allocations.clear()
+        if self._stream is not None:
+            self._cudart.cudaStreamDestroy(self._stream)
+            self._stream = None
 
     def __del__(self) -> None:
-        if getattr(self, "_allocations", None):
+        if getattr(self, "_stream", None) is not None:
             self.close()
 
     def _context(self, index: int):
         """One execution context per profile, created when first needed."""
         if index not in self._contexts:
-            context = self.engine.create_execution_context()
-            context.set_optimization_profile_async(index, self.stream)
+            strategy = self._trt.ExecutionContextAllocationStrategy.USER_MANAGED
+            context = self.engine.create_execution_context(strategy)
+            if self._scratch_bytes:
+                context.set_device_memory(self._scratch, self._scratch_bytes)
+            if not context.set_optimization_profile_async(index, self.stream):
+                raise SpecrtError(f"TensorRT refused optimization profile {index}")
             self._contexts[index] = context
         return self._contexts[index]
 

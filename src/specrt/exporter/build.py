@@ -108,8 +108,8 @@ def build_bundle(
     if tensorrt is not None:
         if any(p.weights != "fp32" for p in precision.values()):
             raise SpecrtError(
-                "--backend tensorrt compiles the float32 graphs and applies its own precision "
-                "(--trt-precision); leave --draft-precision and --target-precision at fp32"
+                "--backend tensorrt builds its engines from the float32 graphs (converted to "
+                "--trt-precision); leave --draft-precision and --target-precision at fp32"
             )
         require_tensorrt()
     specs = {"draft": draft, "target": target}
@@ -218,6 +218,7 @@ def _export_role(
             shape.as_dict(),
             max_context,
             plan.tensorrt,
+            log,
         )
     tokenizer.save_pretrained(folder)
     if not (folder / "tokenizer.json").is_file():

@@ -4,16 +4,20 @@ engines themselves run in tests/test_gpu_engines.py, which skips (with its reaso
 
 from __future__ import annotations
 
+import importlib.metadata
+import json
+
 import pytest
 from click.testing import CliRunner
 
 from specrt.bundle import Bundle
 from specrt.cli import cli
-from specrt.doctor import diagnose
+from specrt.doctor import diagnose, probe
 from specrt.engines import load_engine
-from specrt.engines.onnxruntime import providers_for, trt_profile_options
+from specrt.engines.onnxruntime import check_providers, providers_for, trt_profile_options
 from specrt.engines.tensorrt import call_plan
 from specrt.errors import SpecrtError
+from specrt.gpucheck import torch_sees_a_gpu
 from specrt.profiles import Profile, input_shapes, plan_profiles, select_profile
 
 
@@ -67,6 +71,11 @@ def test_input_shapes_and_call_plan_for_the_tiny_models(bundles, arch):
     assert shapes["attention_mask"] == ((1, 2), (1, 128), (1, 128))
     assert shapes["past_key_values.3.value"] == ((1, 2, 128, 16),) * 3
     assert shapes["logits_to_keep"] == ((1,),) * 3
+    # A batched engine: 1..slots rows, caches of max context + margin, totals into the margin.
+    batched = input_shapes(verify, capacity=128, batch=4, margin=64, **dims)
+    assert batched["input_ids"] == ((1, 2), (1, 5), (4, 9))
+    assert batched["attention_mask"] == ((1, 2), (1, 128), (4, 192))
+    assert batched["past_key_values.0.key"] == ((1, 2, 192, 16), (1, 2, 192, 16), (4, 2, 192, 16))
 
     plan = call_plan(
         bundle_profiles := plan_profiles(128, 8),
@@ -81,28 +90,70 @@ def test_input_shapes_and_call_plan_for_the_tiny_models(bundles, arch):
     assert plan.shapes["input_ids"] == plan.shapes["position_ids"] == (1, 5)
     assert plan.shapes["attention_mask"] == (1, 25)
     assert plan.shapes["past_key_values.0.key"] == (1, 2, 128, 16)
-    assert (plan.position_offset, plan.keep, plan.read) == (20 * 8, 5, 1)
+    assert plan.positions.tolist() == [20, 21, 22, 23, 24] and (plan.keep, plan.read) == (5, 1)
     prefill = call_plan(bundle_profiles, count=30, start=0, keep=1, parity=0, capacity=128, **dims)
     assert (bundle_profiles[prefill.profile].name, prefill.read) == ("prefill", 0)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_tensorrt_provider_options_list_every_profile(bundles, arch):
-    options = trt_profile_options(Bundle.load(bundles[arch]), "draft")  # 2 layers
-    mins = options["trt_profile_min_shapes"].split(",")
-    maxs = options["trt_profile_max_shapes"].split(",")
-    assert len(mins) == len(maxs) == 3 * (3 + 2 * 2)  # 3 profiles x (ids, positions, mask, cache)
-    assert mins[:4] == [
+def test_tensorrt_provider_options_name_every_dynamic_input(bundles, arch):
+    bundle = Bundle.load(bundles[arch])
+    options = trt_profile_options(bundle, "draft")  # 2 layers
+    entries = {
+        key: options[f"trt_profile_{key}_shapes"].split(",") for key in ("min", "opt", "max")
+    }
+    mins, opts, maxs = entries["min"], entries["opt"], entries["max"]
+    # 3 profiles x (ids, positions, mask, logits_to_keep, 2 layers x key/value)
+    assert len(mins) == len(opts) == len(maxs) == 3 * (4 + 2 * 2)
+    graph_inputs = {i.name for i in load_engine(bundle, "draft").session.get_inputs()}
+    for profile in range(3):
+        named = {entry.split(":")[0] for entry in maxs[profile * 8 : profile * 8 + 8]}
+        assert named == graph_inputs  # every input, each profile
+    assert mins[:5] == [
         "input_ids:1x1",
         "position_ids:1x1",
         "attention_mask:1x1",
-        "past_key_values.0.key:1x2x128x16",
+        "logits_to_keep:1",
+        "past_key_values.0.key:1x2x192x16",  # max context 128 + the 64-position margin
     ]
     # The longest prompt leaves room for the longest window: 128 - 32 lookups - 1.
-    assert maxs[0] == "input_ids:1x95" and maxs[2] == "attention_mask:1x128"
-    assert maxs[14] == "input_ids:1x33"  # the verify profile takes 32 free drafts
-    verify = options["trt_profile_opt_shapes"].split(",")[14:17]
-    assert verify == ["input_ids:1x5", "position_ids:1x5", "attention_mask:1x128"]
+    assert maxs[0] == "input_ids:1x95" and maxs[2] == "attention_mask:1x192"
+    # logits_to_keep is a shape tensor: its entries are values. A prefill keeps its last row,
+    # a verify call up to the whole window of 32 free drafts + 1.
+    assert [maxs[i] for i in (3, 11, 19)] == ["logits_to_keep:1"] * 2 + ["logits_to_keep:33"]
+    assert maxs[16] == "input_ids:1x33"
+    assert opts[16:20] == [
+        "input_ids:1x5",
+        "position_ids:1x5",
+        "attention_mask:1x128",
+        "logits_to_keep:5",
+    ]
+    batched = trt_profile_options(bundle, "draft", slots=4)["trt_profile_max_shapes"].split(",")
+    assert batched[16] == "input_ids:4x33" and batched[20] == "past_key_values.0.key:4x2x192x16"
+
+
+def test_tensorrt_provider_keeps_a_float32_bundle_in_float32(bundles, monkeypatch):
+    """fp16 kernels only for an fp16 graph: a float32 target stays exact."""
+    bundle = Bundle.load(bundles["llama"])
+    monkeypatch.setattr(
+        "onnxruntime.get_available_providers",
+        lambda: ["TensorrtExecutionProvider", "CPUExecutionProvider"],
+    )
+    (provider, options), *rest = providers_for(bundle, "target", "onnxruntime-tensorrt")
+    assert provider == "TensorrtExecutionProvider" and options["trt_fp16_enable"] == "False"
+    assert rest == ["CUDAExecutionProvider", "CPUExecutionProvider"]
+
+
+def test_a_provider_that_did_not_start_is_refused_not_run_on_the_cpu():
+    asked = [("TensorrtExecutionProvider", {}), "CUDAExecutionProvider", "CPUExecutionProvider"]
+    with pytest.raises(SpecrtError, match="could not start TensorrtExecutionProvider.*fell back"):
+        check_providers(asked, ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    with pytest.raises(SpecrtError, match="side by side"):
+        check_providers(["CUDAExecutionProvider", "CPUExecutionProvider"], ["CPUExecutionProvider"])
+    check_providers(
+        asked, ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
+    )
+    check_providers(["CPUExecutionProvider"], ["CPUExecutionProvider"])
 
 
 def test_gpu_backends_refuse_to_fall_back_to_cpu(bundles):
@@ -174,3 +225,52 @@ def test_doctor_command_reports_this_machine():
         "torch",
     }
     assert lines["onnxruntime"].split()[1] == "yes"
+
+
+def test_doctor_names_onnxruntime_beside_onnxruntime_gpu_as_the_cause():
+    both = {
+        "onnxruntime": "1.32.0",
+        "onnxruntime_gpu": "1.31.1",
+        "providers": ["CPUExecutionProvider"],  # the CPU wheel's files won
+        "gpus": ["NVIDIA H200 (sm 9.0)"],
+    }
+    verdicts = {v.backend: v for v in diagnose(both)}
+    assert not verdicts["onnxruntime-cuda"].ok
+    assert "both installed" in verdicts["onnxruntime-cuda"].detail
+    assert "pip uninstall -y onnxruntime onnxruntime-gpu" in verdicts["onnxruntime-cuda"].detail
+    working = {**both, "providers": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
+    cuda = next(v for v in diagnose(working) if v.backend == "onnxruntime-cuda")
+    assert cuda.ok and "warning" in cuda.detail
+
+
+def test_doctor_finds_the_wheels_that_actually_install(monkeypatch):
+    """`pip install tensorrt` installs tensorrt-cu13 and its bindings; cuda-python is a shell
+    over cuda-bindings: a machine with only the real wheels is still recognised."""
+    installed = {"tensorrt-cu13-bindings": "11.4.0.106", "cuda-bindings": "13.5.0"}
+
+    def version(name):
+        if name not in installed:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return installed[name]
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    facts = probe()
+    assert facts["tensorrt"] == "11.4.0.106" and facts["cuda_python"] == "13.5.0"
+
+
+@pytest.mark.skipif(
+    bool(probe()["gpus"]) or torch_sees_a_gpu(), reason="a GPU is here: the check runs for real"
+)
+def test_gpu_check_without_a_gpu_prints_a_clean_table_and_writes_json(tmp_path):
+    out = tmp_path / "gpu.json"
+    result = CliRunner().invoke(cli, ["doctor", "--gpu-check", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "Traceback" not in result.output
+    lines = result.output.strip().splitlines()
+    assert lines[0].split()[:3] == ["bundle", "backend", "status"]
+    backends = {"torch-cuda", "onnxruntime-cuda", "onnxruntime-tensorrt", "tensorrt"}
+    assert {line.split()[1] for line in lines[1:]} == backends
+    assert all("no CUDA GPU" in line for line in lines[1:])
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["backend"] for r in rows} == backends
+    assert all(r["status"] == "no CUDA GPU" and r["detail"] for r in rows)

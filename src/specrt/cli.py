@@ -46,12 +46,7 @@ def cli() -> None:
 @click.option("--target", required=True, help="Target model: HF folder, hub id or .gguf file.")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Bundle folder.")
 @click.option("--max-draft", default=8, show_default=True, help="K_max: most drafts per round.")
-@click.option(
-    "--max-lookup",
-    default=32,
-    show_default=True,
-    help="Most free drafts (a lookup, a prediction) one verify call takes.",
-)
+@click.option("--max-lookup", default=32, show_default=True, help="Most free drafts per call.")
 @click.option(
     "--max-context",
     type=int,
@@ -82,14 +77,14 @@ def cli() -> None:
     type=click.Choice(["onnxruntime", "tensorrt"]),
     default="onnxruntime",
     show_default=True,
-    help="tensorrt also compiles each graph into a TensorRT engine (needs TensorRT 10 + a GPU).",
+    help="tensorrt also compiles each graph into a TensorRT engine (TensorRT 10.1+, a GPU).",
 )
 @click.option(
     "--trt-precision",
-    type=click.Choice(["fp16", "bf16", "fp32"]),
+    type=click.Choice(["fp16", "fp32"]),
     default="fp16",
     show_default=True,
-    help="TensorRT engine precision (fp32 for debugging).",
+    help="TensorRT engine precision: the graph is converted to it (fp32: exact, no TF32).",
 )
 @click.option("--workspace", default=4.0, show_default=True, help="TensorRT workspace, GiB.")
 @click.option(
@@ -533,19 +528,23 @@ def serve(
 
 @cli.command()
 @click.option("--json", "as_json", is_flag=True, help="Print the facts and verdicts as JSON.")
-def doctor(as_json: bool):
-    """Which backends this machine can run, and why not where it cannot."""
-    from dataclasses import asdict
+@click.option(
+    "--gpu-check",
+    "gpu_json",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Run every GPU backend on the tiny and default bundles; write the table as JSON here.",
+)
+@click.option("--bundle", "bundles", multiple=True, type=click.Path(path_type=Path))
+def doctor(as_json: bool, gpu_json: Path | None, bundles: tuple[Path, ...]):
+    """Which backends this machine can run, and why not where it cannot; with --gpu-check,
+    whether each GPU backend is exact and how fast (see README, 'GPU')."""
+    from specrt.doctor import render
 
-    from specrt.doctor import diagnose, probe
+    if gpu_json is not None:
+        from specrt.gpucheck import report
 
-    facts = probe()
-    verdicts = diagnose(facts)
-    if as_json:
-        click.echo(json.dumps({"facts": facts, "backends": [asdict(v) for v in verdicts]}))
-        return
-    for v in verdicts:
-        click.echo(f"{v.backend:22} {'yes' if v.ok else 'no ':3}  {v.detail}")
+        raise SystemExit(0 if report(gpu_json, list(bundles), _log, click.echo) else 1)
+    click.echo(render(as_json))
 
 
 @cli.group()

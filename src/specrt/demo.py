@@ -51,13 +51,19 @@ def tiny_bundle(log: Log) -> Path:
     return bundle
 
 
+def default_bundle_path(config: dict | None = None) -> Path:
+    """Where the built-in default pair's bundle is (or will be) built."""
+    config = config or demo_config()
+    name = f"{config['draft']}-{config.get('draft_precision', 'fp32')}__{config['target']}"
+    return specrt_home() / "bundles" / name
+
+
 def real_bundle(config: dict, log: Log) -> Path:
     from specrt.models import lookup, pull
 
     paths = {role: pull(lookup(config[role]), log=log) for role in ("draft", "target")}
     draft_precision = config.get("draft_precision", "fp32")
-    name = f"{config['draft']}-{draft_precision}__{config['target']}"
-    bundle = specrt_home() / "bundles" / name
+    bundle = default_bundle_path(config)
     if not _cached_bundle(bundle, log):
         from specrt.exporter.build import build_bundle
         from specrt.exporter.precision import Precision

@@ -7,9 +7,32 @@ function (`diagnose`), so the verdicts are tested on any machine with facts writ
 from __future__ import annotations
 
 import importlib.metadata
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass
 
 GPU_HINT = "on a machine with an NVIDIA GPU and driver: pip install 'specrt[gpu]'"
+# The distributions that install each module, as pip names them: the `tensorrt` meta-package
+# pulls tensorrt-cu13 (or -cu12), whose bindings wheel holds the module; cuda-python is a
+# meta-package over cuda-bindings, which holds `cuda.bindings`.
+DISTRIBUTIONS = {
+    "onnxruntime": ("onnxruntime",),
+    "onnxruntime_gpu": ("onnxruntime-gpu",),
+    "torch": ("torch",),
+    "transformers": ("transformers",),
+    "tensorrt": (
+        "tensorrt",
+        "tensorrt-cu13",
+        "tensorrt-cu12",
+        "tensorrt-cu13-bindings",
+        "tensorrt-cu12-bindings",
+    ),
+    "cuda_python": ("cuda-bindings", "cuda-python"),
+}
+SIDE_BY_SIDE = (
+    "onnxruntime and onnxruntime-gpu are both installed and share one module, so either can "
+    "hide the other's providers: pip uninstall -y onnxruntime onnxruntime-gpu && "
+    "pip install onnxruntime-gpu"
+)
 
 
 @dataclass(frozen=True)
@@ -19,26 +42,19 @@ class Verdict:
     detail: str
 
 
-def _version(package: str) -> str | None:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+def _version(distributions: tuple[str, ...]) -> str | None:
+    """The version of the first of these distributions that is installed."""
+    for name in distributions:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def probe() -> dict:
     """What is installed and visible here (imports nothing heavy that is not installed)."""
-    facts: dict = {
-        name: _version(package)
-        for name, package in (
-            ("onnxruntime", "onnxruntime"),
-            ("onnxruntime_gpu", "onnxruntime-gpu"),
-            ("torch", "torch"),
-            ("transformers", "transformers"),
-            ("tensorrt", "tensorrt"),
-            ("cuda_python", "cuda-python"),
-        )
-    }
+    facts: dict = {name: _version(names) for name, names in DISTRIBUTIONS.items()}
     facts["providers"] = []
     if facts["onnxruntime"] or facts["onnxruntime_gpu"]:
         import onnxruntime
@@ -69,18 +85,19 @@ def diagnose(facts: dict) -> list[Verdict]:
     ort = facts.get("onnxruntime") or facts.get("onnxruntime_gpu")
     providers, gpus = facts.get("providers", []), facts.get("gpus", [])
     trt = facts.get("tensorrt")
+    both = bool(facts.get("onnxruntime") and facts.get("onnxruntime_gpu"))
     verdicts = [
         Verdict("onnxruntime", bool(ort), f"onnxruntime {ort}" if ort else "pip install specrt"),
-        _provider("onnxruntime-cuda", "CUDAExecutionProvider", providers, gpus),
-        _provider("onnxruntime-tensorrt", "TensorrtExecutionProvider", providers, gpus),
+        _provider("onnxruntime-cuda", "CUDAExecutionProvider", providers, gpus, both),
+        _provider("onnxruntime-tensorrt", "TensorrtExecutionProvider", providers, gpus, both),
     ]
     if not trt:
         verdicts.append(Verdict("tensorrt", False, f"TensorRT is not installed; {GPU_HINT}"))
-    elif int(trt.split(".")[0]) < 10:
-        verdicts.append(Verdict("tensorrt", False, f"TensorRT {trt} found; 10 or newer needed"))
+    elif tuple(int(part) for part in trt.split(".")[:2]) < (10, 1):
+        verdicts.append(Verdict("tensorrt", False, f"TensorRT {trt} found; 10.1 or newer needed"))
     elif not facts.get("cuda_python"):
         verdicts.append(
-            Verdict("tensorrt", False, "cuda-python is not installed: pip install cuda-python")
+            Verdict("tensorrt", False, "cuda-bindings is not installed: pip install cuda-bindings")
         )
     elif not gpus:
         verdicts.append(Verdict("tensorrt", False, f"TensorRT {trt}, but no CUDA GPU is visible"))
@@ -99,9 +116,24 @@ def diagnose(facts: dict) -> list[Verdict]:
     return verdicts
 
 
-def _provider(backend: str, provider: str, providers: list[str], gpus: list[str]) -> Verdict:
+def _provider(
+    backend: str, provider: str, providers: list[str], gpus: list[str], side_by_side: bool
+) -> Verdict:
+    """side_by_side: onnxruntime and onnxruntime-gpu both installed, the usual reason a GPU
+    provider is missing (said as the cause where it is, as a warning where it is not yet)."""
     if provider not in providers:
-        return Verdict(backend, False, f"this onnxruntime has no {provider}; {GPU_HINT}")
+        hint = SIDE_BY_SIDE if side_by_side else GPU_HINT
+        return Verdict(backend, False, f"this onnxruntime has no {provider}; {hint}")
     if not gpus:
         return Verdict(backend, False, f"{provider} is installed, but no CUDA GPU is visible")
-    return Verdict(backend, True, f"{provider} on {', '.join(gpus)}")
+    warning = f" (warning: {SIDE_BY_SIDE})" if side_by_side else ""
+    return Verdict(backend, True, f"{provider} on {', '.join(gpus)}{warning}")
+
+
+def render(as_json: bool = False) -> str:
+    """This machine's verdicts: a line per backend, or the facts and verdicts as JSON."""
+    facts = probe()
+    verdicts = diagnose(facts)
+    if as_json:
+        return json.dumps({"facts": facts, "backends": [asdict(v) for v in verdicts]})
+    return "\n".join(f"{v.backend:22} {'yes' if v.ok else 'no ':3}  {v.detail}" for v in verdicts)

@@ -10,7 +10,14 @@ from specrt.bundle import Bundle
 from specrt.engines.base import Engine
 from specrt.errors import SpecrtError
 
-BACKENDS = ("onnxruntime", "onnxruntime-cuda", "onnxruntime-tensorrt", "tensorrt", "torch")
+BACKENDS = (
+    "onnxruntime",
+    "onnxruntime-cuda",
+    "onnxruntime-tensorrt",
+    "tensorrt",
+    "torch",
+    "torch-cuda",
+)
 
 
 def load_engine(bundle: Bundle, role: str, backend: str = "onnxruntime", **options) -> Engine:
@@ -27,7 +34,9 @@ def load_engine(bundle: Bundle, role: str, backend: str = "onnxruntime", **optio
 
         options.pop("threads", None)  # host threads do not apply to a GPU engine
         return TrtEngine.from_bundle(bundle, role, **options)
-    if backend == "torch":
+    if backend in ("torch", "torch-cuda"):
+        if backend == "torch-cuda":
+            options["device"] = "cuda"
         try:
             from specrt.engines.torch import TorchEngine
         except ImportError as err:

@@ -20,10 +20,12 @@ from specrt.sources import Source, load_model
 
 
 class TorchEngine(OneSlot):
-    def __init__(self, model, capacity: int, *, threads: int | None = None):
+    def __init__(self, model, capacity: int, *, threads: int | None = None, device: str = "cpu"):
+        """device: "cpu", or "cuda" for the GPU check's PyTorch row (float32 either way)."""
         if threads:
             torch.set_num_threads(threads)
-        self.model = model.eval()
+        self.device = device
+        self.model = model.eval().to(device)
         self.vocab_size = model.config.vocab_size
         self.capacity = capacity
         self.cache = DynamicCache(config=model.config)
@@ -59,9 +61,9 @@ class TorchEngine(OneSlot):
 
     def forward(self, tokens: Sequence[int], last: int | None = None) -> np.ndarray:
         keep = check_room(self, len(tokens), last)
-        ids = torch.tensor([list(tokens)], dtype=torch.long)
+        ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
         with torch.inference_mode():
             out = self.model(
                 input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=keep
             )
-        return out.logits[0].float().numpy()
+        return out.logits[0].float().cpu().numpy()

@@ -199,6 +199,32 @@ def test_no_probe_where_it_would_widen_a_compute_bound_call():
     assert [d.k for d in decisions] == [0] * 16
 
 
+def test_a_draft_cache_far_behind_is_priced_and_not_probed():
+    """A request that sat at K = 0 must first feed the draft model every token it missed, and
+    in a batch everyone waits for that call: the round is priced with it (spread over a few
+    rounds), and no probe starts one where it costs more than the round it joins."""
+    costs = _batch_costs()
+    assert costs.catch_up_cost(1) == 0.0
+    assert costs.catch_up_cost(9) == pytest.approx(0.015 + 0.005 / 8 - 0.010)
+    policy = Adaptive(costs=costs, prior_alpha=0.8)
+    near, far = RoundContext(8, 300, lag=1), RoundContext(8, 300, lag=300)
+    assert policy.decide(near).k >= 1 and policy.decide(far).k >= 1  # worth it at this alpha
+    rate = [float(policy.decide(ctx).reason.split("-> ")[1].split()[0]) for ctx in (near, far)]
+    assert rate[1] < rate[0]  # the catch-up is in the price
+    idle = Adaptive(costs=costs, prior_alpha=0.01)
+    idle.idle = PROBE_AFTER
+    # Alone, a request spreads its catch-up over its idle rounds...
+    assert idle.decide(RoundContext(8, 300, lag=PROBE_AFTER)).k == 1
+    assert idle.decide(RoundContext(8, 300, lag=1500)).k == 0  # ...but 1,500 tokens is too many
+    # In a batch the others wait for it: a catch-up of 300 tokens is no probe's business, and
+    # of the requests whose probe is cheap, one probes per round.
+    pair = [Adaptive(costs=costs, prior_alpha=0.01) for _ in range(3)]
+    for policy in pair:
+        policy.idle = PROBE_AFTER
+    lags = [RoundContext(8, 300, lag=300), RoundContext(8, 300, lag=1), RoundContext(8, 300)]
+    assert [d.k for d in decide_together(pair, lags, costs)] == [0, 1, 0]
+
+
 def test_long_context_halves_k():
     policy = Adaptive(k_max=8, long_context=100)
     assert policy.decide(RoundContext(k_max=8, position=50)).k == 4  # warming up

@@ -26,6 +26,7 @@ from specrt.runtime.costs import StepCosts
 
 PROBE_AFTER = 16  # rounds at K = 0 after which an adaptive request drafts one token again...
 PROBE_COST = 1.1  # ...if the wider call costs at most this much more than the round chosen
+CATCH_UP_ROUNDS = 4  # a draft-cache catch-up is paid once and priced as spread over these rounds
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class RoundContext:
     k_max: int  # the most drafts this request can take now: its offer, budget, context room
     position: int  # tokens in the sequence so far (prompt + emitted)
     source: str = "model"  # who drafts this round: "model", "ngram", ... (see drafters)
+    lag: int = 0  # tokens the draft model must catch up on before it drafts (model rounds)
 
 
 @dataclass(frozen=True)
@@ -179,28 +181,35 @@ def decide_together(
         ]
     alphas = [min(p.alpha(s), 0.999) for p, s in zip(policies, sources, strict=True)]
     batch = len(policies) + len(others)
+    lags = [c.lag for c in contexts]
     options = []
     for k_model, k_free in _pairs_of_k(caps, sources):
         ks = [
             min(max(k_model if s == "model" else k_free, low), cap)
             for s, low, cap in zip(sources, lows, caps, strict=True)
         ]
-        options.append((*_price(ks, alphas, sources, others, costs), ks))
+        options.append((*_price(ks, alphas, sources, lags, others, costs), ks))
     rate, draft, verify, ks = max(options, key=lambda option: option[0])  # the first best
     base = costs.verify_cost(batch)  # the batch's call at K = 0
     shares = f"c_draft(K)/c_verify={draft / base:.2f} c_verify(K)/c_verify(0)={verify / base:.2f}"
     size = f"batch {batch}: " if batch > 1 else ""
-    # A probe widens the whole call to 2 tokens a row: only where that costs little.
-    cheap_probe = costs.verify_cost(batch * 2) <= PROBE_COST * costs.verify_cost(
-        batch * (max(ks) + 1)
-    )
+    # A probe widens the whole call to 2 tokens a row and may first catch the draft model up on
+    # every token since it last drafted. In a batch everyone waits for both, so a probe goes
+    # ahead only where the round stays within PROBE_COST of its price, one request per round;
+    # alone, a request delays only itself and spreads its catch-up over its idle rounds.
+    wider = costs.verify_cost(batch * max(2, max(ks) + 1))
+    probed = False
     decisions = []
-    for policy, k, cap, note, s, alpha in zip(
-        policies, ks, caps, notes, sources, alphas, strict=True
+    for policy, k, cap, note, ctx, alpha in zip(
+        policies, ks, caps, notes, contexts, alphas, strict=True
     ):
-        why = f"{size}{note}{s} alpha={alpha:.2f} {shares} -> {rate:.1f} tok/s"
+        why = f"{size}{note}{ctx.source} alpha={alpha:.2f} {shares} -> {rate:.1f} tok/s"
+        catch_up = costs.catch_up_cost(ctx.lag) if ctx.source == "model" else 0.0
+        share = catch_up if batch > 1 else catch_up / max(policy.idle, 1)
+        cheap_probe = not probed and wider + share <= PROBE_COST * (draft + verify)
         if k == 0 and cap > 0 and policy.idle >= PROBE_AFTER and cheap_probe:
             k, why = 1, f"{why}; probing acceptance after {policy.idle} rounds without drafts"
+            probed = True
         decisions.append(Decision(k, why))
     return decisions
 
@@ -214,12 +223,15 @@ def _pairs_of_k(caps, sources) -> list[tuple[int, int]]:
     return [(k_model, k_free) for k_model in range(model + 1) for k_free in range(free + 1)]
 
 
-def _price(ks, alphas, sources, others, costs: StepCosts) -> tuple[float, float, float]:
+def _price(ks, alphas, sources, lags, others, costs: StepCosts) -> tuple[float, float, float]:
     """Expected tokens per second of a round where the joint requests draft ks, and the
-    seconds of its draft steps and its verify call."""
+    seconds of its draft steps (their catch-ups included, spread over `CATCH_UP_ROUNDS`: a
+    request that drafted at K = 0 for a while must first feed the draft model what it missed,
+    and in a busy batch every other request waits for it) and of its verify call."""
     width = max([*ks, *others]) + 1
-    model = [k for k, s in zip(ks, sources, strict=True) if s == "model" and k]
-    draft = costs.draft_cost("model", max(model, default=0), len(model))
+    drafting = [(k, lag) for k, s, lag in zip(ks, sources, lags, strict=True) if s == "model" and k]
+    draft = costs.draft_cost("model", max((k for k, _ in drafting), default=0), len(drafting))
+    draft += sum(costs.catch_up_cost(lag) for _, lag in drafting) / CATCH_UP_ROUNDS
     verify = costs.verify_cost((len(ks) + len(others)) * width)
     tokens = len(others) + sum(map(expected_tokens, alphas, ks))
     return tokens / (draft + verify), draft, verify

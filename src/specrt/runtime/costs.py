@@ -45,6 +45,15 @@ class StepCosts:
         """Seconds to draft k tokens for `rows` requests at once: k model steps, or a lookup."""
         return k * _price(self.draft, rows) if source == "model" and k else 0.0
 
+    def catch_up_cost(self, lag: int) -> float:
+        """Seconds the draft model spends catching up on `lag` tokens before drafting (the
+        prompt on a first draft, or the rounds a lookup or K = 0 served), beyond a plain step:
+        its first step carries `lag` tokens instead of one (or a call of its own does), priced
+        as a draft step of that many rows, which does the same work, less a step of one row."""
+        if lag <= 1 or not self.draft:
+            return 0.0
+        return max(_price(self.draft, lag) - _price(self.draft, 1), 0.0)
+
     def verify_cost(self, rows: int) -> float:
         """c_verify for a call of `rows` rows, from the measured curve."""
         return _price(self.verify, rows)

@@ -33,6 +33,7 @@ CATCH_UP = 4  # a draft cache further behind catches up in a call of its own
 class Offer:
     source: str  # "model", "ngram", ...: what the controller prices this round by
     available: int  # the most tokens it can propose now (0: none this round)
+    lag: int = 0  # tokens the draft model's cache must catch up on before it drafts
 
 
 @dataclass
@@ -96,7 +97,7 @@ class ModelDrafter:
         self.engine.reset(slot)
 
     def offer(self, seq: Sequence[int], limit: int) -> Offer:
-        return Offer("model", limit)
+        return Offer("model", limit, len(seq) - self.engine.lengths[self.slot])
 
     def propose(self, seq, k, params, rng, threshold) -> Proposal:
         return draft_together([self], [seq], [k], [params], [rng], [threshold])[0][0]

@@ -84,7 +84,9 @@ def speculate(reqs: list[Request], target: Engine, costs: StepCosts) -> Round:
     """One round for every request given (each must have room >= 0)."""
     t0 = time.perf_counter()
     offers = [r.drafter.offer(r.seq, r.room(target.capacity)) if r.drafter else NONE for r in reqs]
-    contexts = [RoundContext(o.available, len(r.seq), o.source) for r, o in _pairs(reqs, offers)]
+    contexts = [
+        RoundContext(o.available, len(r.seq), o.source, o.lag) for r, o in _pairs(reqs, offers)
+    ]
     decisions = decide_round([r.policy for r in reqs], contexts, costs)
     proposals, catch_up = _propose(reqs, offers, decisions)
     t1 = time.perf_counter()

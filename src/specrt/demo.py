@@ -7,10 +7,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from specrt.files import specrt_home
+
+if TYPE_CHECKING:
+    from specrt.exporter.tensorrt import TrtOptions
 
 Log = Callable[[str], None]
 
@@ -38,16 +42,20 @@ def _cached_bundle(path: Path, log: Log) -> bool:
     return True
 
 
-def tiny_bundle(log: Log) -> Path:
+def tiny_bundle(log: Log, tensorrt: TrtOptions | None = None) -> Path:
+    """The tiny llama pair's bundle, built once; tensorrt (TrtOptions) builds a variant with
+    TensorRT engines beside it, for the GPU check."""
     home = specrt_home() / "tiny"
-    bundle = home / "bundle"
+    bundle = home / ("bundle" if tensorrt is None else "bundle-tensorrt")
     if not _cached_bundle(bundle, log):
         from specrt.exporter.build import build_bundle
         from specrt.exporter.tiny import make_tiny_pair
 
         log(f"building a tiny llama pair under {home}")
         draft, target = make_tiny_pair(home / "models", "llama")
-        build_bundle(str(draft), str(target), bundle, max_context=512, force=True, log=log)
+        build_bundle(
+            str(draft), str(target), bundle, max_context=512, force=True, tensorrt=tensorrt, log=log
+        )
     return bundle
 
 

@@ -37,7 +37,7 @@ Log = Callable[[str], None]
 class Row:
     bundle: str
     backend: str
-    status: str  # ok, not installed, no CUDA GPU, no engine, failed
+    status: str  # ok, not installed, no CUDA GPU, no bundle, no engine, failed
     detail: str = ""
     speculation_exact: bool | None = None  # speculative tokens == this backend's target alone
     same_as_cpu: bool | None = None  # target alone == the float32 CPU target alone
@@ -125,23 +125,12 @@ def default_bundles(reasons: dict[str, str], log: Log) -> list[Path]:
 
     bundles = [tiny_bundle(log)]
     if "tensorrt" not in reasons:
-        bundles.append(tiny_tensorrt_bundle(log))
+        from specrt.exporter.tensorrt import TrtOptions
+        from specrt.files import specrt_home
+
+        cache = specrt_home() / "tiny" / "tensorrt.cache"
+        bundles.append(tiny_bundle(log, TrtOptions("fp32", 2.0, cache)))
     return [*bundles, default_bundle_path()]
-
-
-def tiny_tensorrt_bundle(log: Log) -> Path:
-    from specrt.exporter.build import build_bundle
-    from specrt.exporter.tensorrt import TrtOptions
-    from specrt.exporter.tiny import make_tiny_pair
-    from specrt.files import specrt_home
-
-    home = specrt_home() / "tiny"
-    bundle = home / "bundle-tensorrt"
-    if not (bundle / "manifest.json").is_file():
-        draft, target = make_tiny_pair(home / "models", "llama")
-        options = TrtOptions("fp32", 2.0, home / "tensorrt.cache")
-        build_bundle(str(draft), str(target), bundle, max_context=512, tensorrt=options, log=log)
-    return bundle
 
 
 def run_check(
@@ -163,7 +152,7 @@ def run_check(
         if not (path / "manifest.json").is_file():
             rows += [Row(str(path), b, "no bundle", "not built here") for b in GPU_BACKENDS]
             continue
-        runnable = [b for b in GPU_BACKENDS if b not in reasons]
+        runnable = any(b not in reasons for b in GPU_BACKENDS)
         reference = cpu_reference(path, max_new_tokens) if runnable else None
         for backend in GPU_BACKENDS:
             if backend in reasons:

@@ -91,7 +91,7 @@ def check_providers(asked: Sequence[str | tuple[str, dict]], running: Sequence[s
     """Refuse a session whose first provider did not register. ONNX Runtime logs the reason
     (TensorRT or CUDA libraries not found, a driver too old) and carries on with the next
     provider in the list, so a GPU backend would run on the CPU, slowly, saying nothing."""
-    first = asked[0] if isinstance(asked[0], str) else asked[0][0]
+    first = _name(asked[0])
     if first not in running:
         raise SpecrtError(
             f"ONNX Runtime could not start {first} and fell back to "
@@ -141,8 +141,7 @@ class OrtEngine(BufferCache):
         except Exception as err:  # ORT raises its own types for corrupt or unloadable graphs
             raise SpecrtError(f"{graph}: ONNX Runtime cannot load this graph: {err}") from err
         check_providers(providers, self.session.get_providers())
-        first = providers[0] if isinstance(providers[0], str) else providers[0][0]
-        self.device = DEVICE_OF_PROVIDER.get(first, "cpu")
+        self.device = DEVICE_OF_PROVIDER.get(_name(providers[0]), "cpu")
         self.vocab_size, self.slots, self.even_rows = vocab_size, slots, even_rows
         # Without a margin, an even_rows padding token needs a position inside the capacity.
         self.capacity = capacity - 1 if even_rows and not margin else capacity
@@ -281,6 +280,11 @@ class OrtEngine(BufferCache):
         bind.bind_output("logits", "cpu", 0, self._logits_type, list(out.shape), out.ctypes.data)
         self.session.run_with_iobinding(bind)
         return out
+
+
+def _name(provider: str | tuple[str, dict]) -> str:
+    """A provider entry's name: entries are a name, or a (name, options) pair."""
+    return provider if isinstance(provider, str) else provider[0]
 
 
 def _present(past_name: str) -> str:

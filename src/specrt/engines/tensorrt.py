@@ -90,10 +90,10 @@ def call_plan(
 
 
 def device_addresses(
-    plan: CallPlan, buffers: DeviceBuffers, cache_names: list[tuple[str, str]]
+    read: int, buffers: DeviceBuffers, cache_names: list[tuple[str, str]]
 ) -> dict[str, int]:
-    """The device address of every tensor bound for one call (a host shape input is not among
-    them); `check_aligned` holds them to TensorRT's alignment."""
+    """The device address of every tensor bound for a call that reads cache buffer `read` (a
+    host shape input is not among them); `check_aligned` holds them to TensorRT's alignment."""
     addresses = {
         "input_ids": buffers.ids,
         "position_ids": buffers.positions,
@@ -102,7 +102,7 @@ def device_addresses(
     }
     if buffers.keep:
         addresses["logits_to_keep"] = buffers.keep
-    past, present = buffers.caches[plan.read], buffers.caches[1 - plan.read]
+    past, present = buffers.caches[read], buffers.caches[1 - read]
     for (past_name, present_name), src, dst in zip(cache_names, past, present, strict=True):
         addresses[past_name], addresses[present_name] = src, dst
     return addresses
@@ -201,6 +201,12 @@ class TrtEngine(OneSlot, BufferCache):
             logits=self._malloc(self._logits.nbytes),
             caches=[[self._malloc(cache_bytes) for _ in self._cache_names] for _ in range(2)],
         )
+        # The buffers never move: both ping-pong bindings are checked once, here.
+        self._addresses = [
+            device_addresses(read, self._buffers, self._cache_names) for read in (0, 1)
+        ]
+        for addresses in self._addresses:
+            check_aligned(addresses)
 
     @classmethod
     def from_bundle(cls, bundle: Bundle, role: str) -> TrtEngine:
@@ -254,9 +260,7 @@ class TrtEngine(OneSlot, BufferCache):
             _bind(context, "logits_to_keep", self._keep.ctypes.data)
         else:
             self._copy(buffers.keep, self._keep.ctypes.data, INT64, "cudaMemcpyHostToDevice")
-        addresses = device_addresses(plan, buffers, self._cache_names)
-        check_aligned(addresses)
-        for name, address in addresses.items():
+        for name, address in self._addresses[plan.read].items():
             _bind(context, name, address)
         if not context.execute_async_v3(self.stream):
             raise SpecrtError("TensorRT failed to run the engine (see its log above)")

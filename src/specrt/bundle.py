@@ -25,6 +25,7 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 STAMP = ".verified.json"
 ROLES = ("draft", "target")
+QUANTIZED = ("int8", "int4", "gguf")  # weights in MatMulNBits blocks
 # Cache positions past the max context, for the padding tokens of a batched call: a row near the
 # end of its context still gets padded to the call's width (see exporter/graph.py).
 CACHE_MARGIN = 64
@@ -51,7 +52,7 @@ class Role:
 
     @property
     def precision(self) -> str:
-        """fp32, fp16, int8 or int4 (bundles from before per-role precision are fp32)."""
+        """fp32, fp16, int8, int4 or gguf (bundles from before per-role precision are fp32)."""
         return self.info.get("precision", {}).get("weights", "fp32")
 
 

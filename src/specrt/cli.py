@@ -1,4 +1,4 @@
-"""The `specrt` command line: build, inspect, generate, demo, bench, serve, models.
+"""The `specrt` command line: build, inspect, eval, generate, demo, bench, serve, models.
 
 Every user-facing failure is a SpecrtError; the group turns it into one clear line and exit
 status 1 instead of a traceback. Heavy imports happen inside the commands that need them.
@@ -171,6 +171,8 @@ def inspect(bundle: Path, as_json: bool):
         f"K_max {m['max_draft']}   lookup window {loaded.max_lookup}   "
         f"eos ids {m['eos_token_ids']}"
     )
+    from specrt.quality import precision_lines
+
     for line in precision_lines(loaded):
         click.echo(line)
     profiles = "   ".join(
@@ -197,32 +199,43 @@ def inspect(bundle: Path, as_json: bool):
     click.echo(f"files        {files} verified against their sha256")
 
 
-def precision_lines(bundle) -> list[str]:
-    """What each role runs at, and what that means for the outputs."""
-    target = bundle.role("target").precision
-    exact = "the float32 target" if target == "fp32" else f"the {target} target, not float32"
-    lines = []
-    for name in bundle.roles:
-        role = bundle.role(name)
-        info = role.info.get("precision", {"weights": "fp32"})
-        how = ""
-        if "block_size" in info:
-            how = f" (MatMulNBits, block {info['block_size']}, accuracy level "
-            how += f"{info['accuracy_level']}; embedding {info['embedding']})"
-        check = role.info["export_check"]
-        if "argmax_agreement_vs_float32" in check:
-            how += (
-                f"; vs float32: max |dlogit| {check['max_abs_logit_diff_vs_float32']:.2e}, "
-                f"argmax agreement {check['argmax_agreement_vs_float32']:.0%} on random tokens"
-            )
-        label = "precision" if name == bundle.roles[0] else ""
-        lines.append(f"{label:12} {name} {role.precision}{how}")
-    lines.append(
-        f"{'':12} outputs are exact against {exact}; the draft's precision only moves acceptance"
-        if bundle.has_draft
-        else f"{'':12} no draft model: lookup (n-gram) drafts; outputs exact against {exact}"
+@cli.command("eval")
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option(
+    "--reference",
+    type=click.Path(path_type=Path),
+    help="Compare with this bundle's "
+    "roles [default: each role's source in float32, through PyTorch].",
+)
+@click.option(
+    "--text",
+    "texts",
+    multiple=True,
+    type=click.Path(exists=True, path_type=Path),
+    help="Text file (repeatable) [default: json/decoder.py and the prose sample].",
+)
+@click.option("--tokens", default=512, show_default=True, help="Tokens scored per text.")
+@click.option("--threads", type=int, default=None, help="Intra-op threads (default: all cores).")
+@click.option("--json", "json_out", type=click.Path(path_type=Path), help="Also write JSON here.")
+def evaluate(bundle, reference, texts, tokens, threads, json_out):
+    """Perplexity, KL divergence and top-1 agreement of each role against a reference."""
+    from specrt.bundle import Bundle
+    from specrt.files import write_json_atomic
+    from specrt.quality import DEFAULT_TEXTS, evaluate, quality_lines
+
+    results = evaluate(
+        Bundle.load(bundle),
+        Bundle.load(reference) if reference else None,
+        texts or DEFAULT_TEXTS,
+        tokens=tokens,
+        threads=threads,
     )
-    return lines
+    for line in quality_lines(results):
+        click.echo(line)
+    if json_out:
+        write_json_atomic(
+            json_out, {"bundle": str(bundle), "reference": str(reference), "roles": results}
+        )
 
 
 @cli.command()

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from specrt.bundle import Bundle
+from specrt.bundle import QUANTIZED, Bundle
 from specrt.engines.base import BufferCache, RowCall, check_room, check_slot
 from specrt.errors import SpecrtError
 from specrt.files import specrt_home
@@ -180,7 +180,7 @@ class OrtEngine(BufferCache):
         slots = options.get("slots", 1)
         options.setdefault("providers", providers_for(bundle, role, backend, slots))
         # Only the target's numbers decide the output; a draft may differ between call shapes.
-        options.setdefault("even_rows", role == "target" and r.precision in ("int8", "int4"))
+        options.setdefault("even_rows", role == "target" and r.precision in QUANTIZED)
         if role == "target" and r.precision == "fp16" and backend == "onnxruntime":
             raise SpecrtError(
                 f"{bundle.path}: the target is fp16, which is meant for GPU providers. On CPU, "

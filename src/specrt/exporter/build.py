@@ -21,7 +21,7 @@ from pathlib import Path
 from specrt import __version__
 from specrt.bundle import CACHE_MARGIN, FORMAT_VERSION, MANIFEST, ROLES, check_pair
 from specrt.errors import SpecrtError
-from specrt.exporter.check import check_graph, compare_converted
+from specrt.exporter.check import SAMPLE_TOKENS, check_graph, compare_converted, sample_ids
 from specrt.exporter.graph import write_graph
 from specrt.exporter.precision import Precision, convert_graph
 from specrt.exporter.tensorrt import TrtOptions, build_engine, require_tensorrt
@@ -114,6 +114,12 @@ def build_bundle(
         require_tensorrt()
     specs = {"draft": draft, "target": target}
     sources = {role: Source.parse(specs[role]) for role in roles}
+    for role in roles:
+        if precision[role].weights == "gguf" and sources[role].kind != "gguf":
+            raise SpecrtError(
+                f"--{role}-precision gguf keeps a GGUF file's own blocks, but {specs[role]} is "
+                "not a GGUF file; pick int4 or int8 for other sources"
+            )
     if max_context is None:
         limits = [n for n in map(context_limit, sources.values()) if n]
         max_context = min([DEFAULT_CONTEXT, *limits])
@@ -189,7 +195,8 @@ def _export_role(
     )
     shape = write_graph(model, float32, max_context + CACHE_MARGIN)
     log(f"[{role}] checking the graph against PyTorch")
-    check = check_graph(model, float32 / "model.onnx", shape)
+    ids = sample_ids(tokenizer, shape.vocab_size, SAMPLE_TOKENS)
+    check = check_graph(model, float32 / "model.onnx", shape, ids)
     log(
         f"[{role}] max |logit difference| {check['max_abs_logit_diff']:.2e} "
         f"(tolerance {check['tolerance']:.2e})"
@@ -200,14 +207,18 @@ def _export_role(
     if float32 != folder:
         log(f"[{role}] converting the weights to {precision.weights}")
         folder.mkdir()
-        convert_graph(float32 / "model.onnx", folder, precision)
-        check.update(compare_converted(float32 / "model.onnx", folder / "model.onnx", shape))
+        gguf = Path(source.spec) if source.kind == "gguf" else None
+        record = convert_graph(float32 / "model.onnx", folder, precision, gguf, log)
+        check.update(compare_converted(float32 / "model.onnx", folder / "model.onnx", shape, ids))
         log(
-            f"[{role}] {precision.weights}: max |logit difference| vs float32 "
-            f"{check['max_abs_logit_diff_vs_float32']:.2e}, argmax agreement "
-            f"{check['argmax_agreement_vs_float32']:.0%}"
+            f"[{role}] {precision.weights} vs float32 on {check['sample_tokens']} tokens of "
+            f"prose: KL mean {check['kl_mean_vs_float32']:.4f}, top-1 agreement "
+            f"{check['top1_agreement_vs_float32']:.1%} (max |logit difference| "
+            f"{check['max_abs_logit_diff_vs_float32']:.2e})"
         )
         shutil.rmtree(float32)
+    else:
+        record = {}
     engine = None
     if plan.tensorrt is not None:
         log(f"[{role}] building the TensorRT engine ({plan.tensorrt.precision})")
@@ -228,7 +239,7 @@ def _export_role(
         "source": source.describe(),
         "shape": shape.as_dict(),
         "graph": "model.onnx",
-        "precision": precision.as_dict(),
+        "precision": {**precision.as_dict(), **record},
         "tokenizer_sha256": digest,
         "export_check": check,
         "export_seconds": round(time.perf_counter() - started, 2),

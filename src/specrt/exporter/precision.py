@@ -13,6 +13,10 @@ deliberate choice:
 - the embedding stays float32: a Gather reads one row per token, so its size costs disk and
   page cache, not time, and quantizing it would only add error.
 
+gguf (a GGUF source only) keeps the file's own quantized blocks: each projection runs the blocks
+it was dequantized from, so the target is exactly the model llama.cpp runs (see gguf_blocks).
+Weights whose GGUF type has no exact form take the int4 path above, and the build says so.
+
 fp16 converts the whole graph (cache and logits included) with ONNX Runtime's converter; it is
 meant for GPU execution providers, and on CPU it is slower than float32. Normalisation ops stay
 float32 because squaring activations overflows half precision.
@@ -21,6 +25,7 @@ float32 because squaring activations overflows half precision.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -29,9 +34,10 @@ import onnx
 from onnx import helper, numpy_helper
 
 from specrt.errors import SpecrtError
+from specrt.exporter.gguf_graph import GgufWeights, use_gguf_blocks
 from specrt.exporter.graph import ExternalData
 
-PRECISIONS = ("fp32", "fp16", "int8", "int4")
+PRECISIONS = ("fp32", "fp16", "int8", "int4", "gguf")
 # Defaults measured fastest on a 2-core AVX-512 VNNI box (see README, "Precision").
 DEFAULT_BLOCK_SIZE = 128
 DEFAULT_ACCURACY_LEVEL = 4  # int8 activations: the VNNI kernels
@@ -57,11 +63,19 @@ class Precision:
 
     @property
     def quantized(self) -> bool:
-        return self.weights in ("int8", "int4")
+        return self.weights in ("int8", "int4", "gguf")
 
     def as_dict(self) -> dict:
         record = {"weights": self.weights}
-        if self.quantized:
+        if self.weights == "gguf":
+            record.update(
+                accuracy_level=self.accuracy_level,
+                embedding="fp32",
+                method="the GGUF file's own blocks as MatMulNBits (exact); int4 with block_size "
+                "where a type has no exact form",
+                block_size=self.block_size,
+            )
+        elif self.quantized:
             record.update(
                 asdict(self),
                 lm_head=self.weights,
@@ -73,10 +87,29 @@ class Precision:
         return record
 
 
-def convert_graph(source: Path, out_dir: Path, precision: Precision) -> None:
-    """Write out_dir/model.onnx(+.data) at `precision` from a float32 graph."""
+def convert_graph(
+    source: Path,
+    out_dir: Path,
+    precision: Precision,
+    gguf: Path | None = None,
+    log: Callable[[str], None] = print,
+) -> dict:
+    """Write out_dir/model.onnx(+.data) at `precision` from a float32 graph; return what the
+    manifest records beyond the precision itself (the form of each weight, for gguf)."""
     model = onnx.load(str(source))
-    if precision.quantized:
+    record: dict = {}
+    if precision.weights == "gguf":
+        if gguf is None:
+            raise SpecrtError(
+                "precision gguf needs a GGUF source (a .gguf file or a registry name)"
+            )
+        _untie_head(model)
+        forms, leftover = use_gguf_blocks(model, GgufWeights(gguf), precision.accuracy_level, log)
+        if leftover:
+            log(f"  {len(leftover)} weights have no exact form: re-quantized to int4 as before")
+            model = _quantize(model, precision, leftover)
+        record["tensors"] = forms
+    elif precision.quantized:
         _untie_head(model)
         model = _quantize(model, precision)
     elif precision.weights == "fp16":
@@ -88,9 +121,13 @@ def convert_graph(source: Path, out_dir: Path, precision: Precision) -> None:
     else:
         raise SpecrtError("a float32 graph needs no conversion")
     save_aligned(model, out_dir)
+    return record
 
 
-def _quantize(model: onnx.ModelProto, precision: Precision) -> onnx.ModelProto:
+def _quantize(
+    model: onnx.ModelProto, precision: Precision, nodes: list[str] | None = None
+) -> onnx.ModelProto:
+    """int8/int4 weight-only, on every constant-weight MatMul or only the named nodes."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     logger = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
@@ -100,6 +137,7 @@ def _quantize(model: onnx.ModelProto, precision: Precision) -> onnx.ModelProto:
         quantizer = MatMulNBitsQuantizer(
             model,
             bits=8 if precision.weights == "int8" else 4,
+            nodes_to_include=nodes,
             block_size=precision.block_size,
             is_symmetric=True,
             accuracy_level=precision.accuracy_level,

@@ -1,0 +1,208 @@
+"""How close a quantized model is to its reference, on real text.
+
+The numbers llama.cpp users already compare with `llama-perplexity --kl-divergence`: the model's
+perplexity on a text, and against a reference scoring the same tokens, the KL divergence of the
+next-token distributions (mean and 99th percentile) and how often both pick the same top token.
+Random tokens say little about either (every model is lost on them), so the texts are real: a
+file of Python's own standard library and an English prose sample shipped with the package.
+
+Pure numpy over engines' logits: it runs on any backend and never imports torch itself.
+"""
+
+from __future__ import annotations
+
+import json.decoder
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from specrt.bundle import Bundle
+from specrt.engines.base import Engine
+from specrt.errors import SpecrtError
+from specrt.runtime.text import TextTokenizer
+
+PROSE = Path(__file__).with_name("data") / "prose.txt"
+DEFAULT_TEXTS = (Path(json.decoder.__file__), PROSE)  # code and prose
+DEFAULT_TOKENS = 512
+CHUNK = 32  # tokens per call: well inside every engine's verify window
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits.astype(np.float64) - logits.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+@dataclass
+class Comparison:
+    """Per-position figures of a model and its reference on the same tokens."""
+
+    nll: np.ndarray  # the model's negative log-likelihood of each next token
+    reference_nll: np.ndarray
+    kl: np.ndarray  # KL(reference || model) of each next-token distribution
+    agree: np.ndarray  # both argmaxes equal
+
+    @classmethod
+    def of(cls, logits: np.ndarray, reference: np.ndarray, targets: np.ndarray) -> Comparison:
+        """logits, reference: [n, vocab] predicting targets [n]."""
+        got, want = log_softmax(logits), log_softmax(reference)
+        rows = np.arange(len(targets))
+        return cls(
+            nll=-got[rows, targets],
+            reference_nll=-want[rows, targets],
+            kl=(np.exp(want) * (want - got)).sum(axis=-1),
+            agree=logits.argmax(-1) == reference.argmax(-1),
+        )
+
+    @classmethod
+    def joined(cls, parts: Sequence[Comparison]) -> Comparison:
+        return cls(
+            *(np.concatenate([getattr(p, f) for p in parts]) for f in cls.__dataclass_fields__)
+        )
+
+    def summary(self) -> Summary:
+        return Summary(
+            tokens=int(self.nll.size),
+            perplexity=float(np.exp(self.nll.mean())),
+            reference_perplexity=float(np.exp(self.reference_nll.mean())),
+            kl_mean=float(self.kl.mean()),
+            kl_p99=float(np.percentile(self.kl, 99)),
+            top1_agreement=float(self.agree.mean()),
+        )
+
+
+@dataclass(frozen=True)
+class Summary:
+    tokens: int
+    perplexity: float
+    reference_perplexity: float
+    kl_mean: float
+    kl_p99: float
+    top1_agreement: float
+
+    @property
+    def perplexity_change(self) -> float:
+        return self.perplexity / self.reference_perplexity - 1
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "perplexity_change": self.perplexity_change}
+
+
+def compare(engine: Engine, reference: Engine, tokens: Sequence[int]) -> Comparison:
+    """Score tokens with both engines from an empty cache, CHUNK tokens per call."""
+    if len(tokens) < 2:
+        raise ValueError("comparing needs at least two tokens")
+    for e in (engine, reference):
+        e.reset()
+    parts = []
+    for start in range(0, len(tokens) - 1, CHUNK):
+        chunk = list(tokens[start : start + CHUNK])
+        targets = np.asarray(tokens[start + 1 : start + 1 + len(chunk)])
+        got, want = engine.forward(chunk), reference.forward(chunk)
+        n = len(targets)  # the text's last token predicts nothing
+        parts.append(Comparison.of(got[:n], want[:n], targets))
+    return Comparison.joined(parts)
+
+
+def text_tokens(path: Path, encode, count: int = DEFAULT_TOKENS) -> list[int]:
+    """The first count tokens of a text file (all of it when shorter)."""
+    return list(encode(path.read_text(encoding="utf-8")))[:count]
+
+
+def evaluate(
+    bundle: Bundle,
+    reference: Bundle | None = None,
+    texts: Sequence[Path] = DEFAULT_TEXTS,
+    *,
+    tokens: int = DEFAULT_TOKENS,
+    threads: int | None = None,
+) -> dict[str, dict[str, dict]]:
+    """{role: {text name: summary}} for every role of bundle, against the same role of
+    reference, or by default the role's own source run by PyTorch in float32 (the model a
+    float32 build would run; it needs the export extra)."""
+    from specrt.engines.onnxruntime import OrtEngine
+
+    results: dict[str, dict[str, dict]] = {}
+    tokenizer = TextTokenizer.from_bundle(bundle)
+    for role in bundle.roles:
+        engine = OrtEngine.from_bundle(bundle, role, threads=threads)
+        if reference is not None:
+            if role not in reference.roles:
+                raise SpecrtError(f"the reference bundle {reference.path} has no {role}")
+            baseline = OrtEngine.from_bundle(reference, role, threads=threads)
+        else:
+            baseline = _float32_source(bundle, role, threads)
+        results[role] = {
+            text.name: compare(engine, baseline, text_tokens(text, tokenizer.encode, tokens))
+            .summary()
+            .as_dict()
+            for text in texts
+        }
+    return results
+
+
+def _float32_source(bundle: Bundle, role: str, threads: int | None) -> Engine:
+    try:
+        from specrt.engines.torch import TorchEngine
+    except ImportError as err:
+        raise SpecrtError(
+            "the default reference runs the source model in PyTorch: install the export extra "
+            "(pip install 'specrt[export]'), or pass --reference with a float32 bundle"
+        ) from err
+    return TorchEngine.from_bundle(bundle, role, threads=threads)
+
+
+def quality_lines(results: dict[str, dict[str, dict]]) -> list[str]:
+    """A table: one line per role and text."""
+    lines = [
+        f"{'role':8} {'text':16} {'tokens':>6} {'ppl':>8} {'ref ppl':>8} {'Δppl':>7} "
+        f"{'KL mean':>9} {'KL p99':>8} {'top-1':>7}"
+    ]
+    for role, texts in results.items():
+        for name, s in texts.items():
+            lines.append(
+                f"{role:8} {name:16} {s['tokens']:>6} {s['perplexity']:>8.3f} "
+                f"{s['reference_perplexity']:>8.3f} {s['perplexity_change']:>+7.1%} "
+                f"{s['kl_mean']:>9.4f} {s['kl_p99']:>8.3f} {s['top1_agreement']:>7.1%}"
+            )
+    return lines
+
+
+def precision_lines(bundle: Bundle) -> list[str]:
+    """What each role runs at, how far that is from float32 (the build's check), and what it
+    means for the outputs."""
+    target = bundle.role("target").precision
+    exact = "the float32 target" if target == "fp32" else f"the {target} target, not float32"
+    lines = []
+    for name in bundle.roles:
+        role = bundle.role(name)
+        info = role.info.get("precision", {"weights": "fp32"})
+        how = ""
+        if "tensors" in info:
+            kinds = Counter(form.split(" ")[0] for form in info["tensors"].values())
+            blocks = ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items()))
+            how = f" (the GGUF's own blocks: {blocks}; accuracy level {info['accuracy_level']})"
+        elif "block_size" in info:
+            how = f" (MatMulNBits, block {info['block_size']}, accuracy level "
+            how += f"{info['accuracy_level']}; embedding {info['embedding']})"
+        check = role.info["export_check"]
+        if "kl_mean_vs_float32" in check:
+            how += (
+                f"; vs float32 on {check['sample_tokens']} tokens of prose: KL "
+                f"{check['kl_mean_vs_float32']:.4f}, top-1 {check['top1_agreement_vs_float32']:.1%}"
+            )
+        elif "argmax_agreement_vs_float32" in check:  # bundles built before the prose check
+            how += (
+                f"; vs float32: max |dlogit| {check['max_abs_logit_diff_vs_float32']:.2e}, "
+                f"argmax agreement {check['argmax_agreement_vs_float32']:.0%} on random tokens"
+            )
+        label = "precision" if name == bundle.roles[0] else ""
+        lines.append(f"{label:12} {name} {role.precision}{how}")
+    lines.append(
+        f"{'':12} outputs are exact against {exact}; the draft's precision only moves acceptance"
+        if bundle.has_draft
+        else f"{'':12} no draft model: lookup (n-gram) drafts; outputs exact against {exact}"
+    )
+    return lines

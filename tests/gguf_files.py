@@ -26,7 +26,9 @@ SCALE_AT = {
     "Q4_K": ([0, 2], 63 * 15),
     "Q5_K": ([0, 2], 63 * 31),
     "Q6_K": ([208], 128 * 32),
+    "Q2_K": ([80, 82], 15 * 3),  # no exact form: the build re-quantizes it
 }
+SIZES = {**TYPE_SIZES, **K_TYPE_SIZES, "Q2_K": 84}
 # Per projection: the registry's target holds Q4_K and Q6_K, its draft Q5_0, Q8_0, Q6_K, Q4_K.
 TYPES = {
     "attn_q": "Q4_K",
@@ -43,7 +45,7 @@ TYPES = {
 
 def random_blocks(kind: str, rows: int, inputs: int, rng, magnitude: float = 0.1) -> np.ndarray:
     """uint8 [rows, row bytes] of valid blocks whose weights stay within about magnitude."""
-    size = {**TYPE_SIZES, **K_TYPE_SIZES}[kind]
+    size = SIZES[kind]
     per = 32 if kind in TYPE_SIZES else 256
     raw = rng.integers(0, 256, (rows, inputs // per, size), dtype=np.uint8)
     positions, factor = SCALE_AT[kind]
@@ -74,6 +76,9 @@ def write_tiny_gguf(path: Path, arch: str = "qwen2", seed: int = 0, types=None) 
 
     def quantized(name: str, rows: int, inputs: int) -> None:
         kind = types[name.split(".")[-2]]
+        if kind == "F16":
+            writer.add_tensor(name, rng.normal(0, 0.05, (rows, inputs)).astype(np.float16))
+            return
         writer.add_tensor(
             name,
             random_blocks(kind, rows, inputs, rng),

@@ -28,6 +28,7 @@ import numpy as np
 
 from specrt.bundle import Bundle
 from specrt.files import write_bytes_atomic, write_json_atomic
+from specrt.quality import recorded_quality
 from specrt.runtime import SpeculativeRuntime
 from specrt.runtime.costs import measure_costs
 from specrt.runtime.generation import per_token_latencies
@@ -403,6 +404,7 @@ def run_bench(
         },
         "configs": [asdict(r) for r in rows],
         "costs": costs,
+        "quality": {b.precision_label: recorded_quality(b) for b in bundles},
         "peak_rss_mb": peak_rss_mb(),
         "notes": notes,
     }
@@ -591,6 +593,7 @@ def markdown(result: dict) -> str:
     lines += _prediction_lines(result["configs"])
     lines += _category_lines(result["configs"])
     lines += _cost_lines(result.get("costs", {}))
+    lines += _quality_lines(result.get("quality", {}))
     lines += ["", *[f"- {note}" for note in result["notes"]], ""]
     return "\n".join(lines)
 
@@ -630,6 +633,26 @@ def _category_lines(rows: list[dict]) -> list[str]:
             cells.append(f"{speed}× / {decode}× ({calls})")
         lines.append(f"| {r['name']} | " + " | ".join(cells) + " |")
     return lines
+
+
+def _quality_lines(quality: dict) -> list[str]:
+    """Each bundle's roles against float32, as their builds measured it on the prose sample."""
+    lines = [
+        "",
+        "Quality against float32 (the build's check on the package's prose sample; "
+        "`specrt eval` measures longer texts):",
+        "",
+        "| bundle | role | precision | KL mean | top-1 agreement |",
+        "|---|---|---|---|---|",
+    ]
+    for label, roles in quality.items():
+        for role, q in roles.items():
+            lines.append(
+                f"| {label} | {role} | {q['precision']} "
+                f"| {fmt(q.get('kl_mean_vs_float32'), '.4f')} "
+                f"| {fmt(q.get('top1_agreement_vs_float32'), '.1%')} |"
+            )
+    return lines if quality else []
 
 
 def _precisions(result: dict) -> list[str]:

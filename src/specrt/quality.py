@@ -170,6 +170,20 @@ def quality_lines(results: dict[str, dict[str, dict]]) -> list[str]:
     return lines
 
 
+RECORDED = ("kl_mean_vs_float32", "top1_agreement_vs_float32", "sample_tokens")
+
+
+def recorded_quality(bundle: Bundle) -> dict[str, dict]:
+    """Each role's precision and how far it is from float32, as its build measured it on the
+    prose sample (`specrt eval` measures more text; this costs nothing at bench time)."""
+    found = {}
+    for name in bundle.roles:
+        role = bundle.role(name)
+        check = role.info["export_check"]
+        found[name] = {"precision": role.precision, **{k: check[k] for k in RECORDED if k in check}}
+    return found
+
+
 def precision_lines(bundle: Bundle) -> list[str]:
     """What each role runs at, how far that is from float32 (the build's check), and what it
     means for the outputs."""

@@ -225,6 +225,20 @@ def test_a_draft_cache_far_behind_is_priced_and_not_probed():
     assert [d.k for d in decide_together(pair, lags, costs)] == [0, 1, 0]
 
 
+def test_a_catch_up_is_spread_over_the_answer_left():
+    """A catch-up serves every later round: early in a long answer a request far behind drafts
+    again, near its end the same catch-up is not worth it."""
+    costs = _batch_costs()
+    batch = [Adaptive(costs=costs, prior_alpha=0.8) for _ in range(2)]
+
+    def ks(remaining: int) -> list[int]:
+        contexts = [RoundContext(8, 300, lag=300, remaining=remaining)] * 2
+        return [d.k for d in decide_together(batch, contexts, costs)]
+
+    assert min(ks(1000)) >= 1
+    assert ks(4) == [0, 0]
+
+
 def test_long_context_halves_k():
     policy = Adaptive(k_max=8, long_context=100)
     assert policy.decide(RoundContext(k_max=8, position=50)).k == 4  # warming up

@@ -200,3 +200,27 @@ def test_eval_compares_each_role_on_real_text(gguf_bundles, gguf_files, tmp_path
         assert set(texts) == {"decoder.py", "prose.txt"}
         for s in texts.values():
             assert s["tokens"] == 99 and s["kl_mean"] >= 0 and 0 < s["top1_agreement"] <= 1
+
+
+def test_inspect_names_the_blocks_and_the_prose_check(gguf_bundles):
+    result = CliRunner().invoke(cli, ["inspect", str(gguf_bundles["qwen2"])])
+    assert result.exit_code == 0, result.output
+    assert "target gguf (the GGUF's own blocks: " in result.output
+    assert "Q4_K" in result.output and "tokens of prose: KL" in result.output
+
+
+def test_eval_refuses_a_text_too_short(gguf_bundles, tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("x")
+    result = CliRunner().invoke(
+        cli,
+        [
+            "eval",
+            str(gguf_bundles["qwen2"]),
+            "--reference",
+            str(gguf_bundles["qwen2"]),
+            "--text",
+            str(short),
+        ],
+    )
+    assert result.exit_code == 1 and "at least two tokens" in result.output

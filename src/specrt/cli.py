@@ -204,8 +204,7 @@ def inspect(bundle: Path, as_json: bool):
 @click.option(
     "--reference",
     type=click.Path(path_type=Path),
-    help="Compare with this bundle's "
-    "roles [default: each role's source in float32, through PyTorch].",
+    help="Compare with this bundle's roles [default: each role's source in float32, by PyTorch].",
 )
 @click.option(
     "--text",
@@ -217,7 +216,14 @@ def inspect(bundle: Path, as_json: bool):
 @click.option("--tokens", default=512, show_default=True, help="Tokens scored per text.")
 @click.option("--threads", type=int, default=None, help="Intra-op threads (default: all cores).")
 @click.option("--json", "json_out", type=click.Path(path_type=Path), help="Also write JSON here.")
-def evaluate(bundle, reference, texts, tokens, threads, json_out):
+def eval_command(
+    bundle: Path,
+    reference: Path | None,
+    texts: tuple[Path, ...],
+    tokens: int,
+    threads: int | None,
+    json_out: Path | None,
+):
     """Perplexity, KL divergence and top-1 agreement of each role against a reference."""
     from specrt.bundle import Bundle
     from specrt.files import write_json_atomic
@@ -234,7 +240,8 @@ def evaluate(bundle, reference, texts, tokens, threads, json_out):
         click.echo(line)
     if json_out:
         write_json_atomic(
-            json_out, {"bundle": str(bundle), "reference": str(reference), "roles": results}
+            json_out,
+            {"bundle": str(bundle), "reference": reference and str(reference), "roles": results},
         )
 
 

@@ -93,7 +93,7 @@ class Summary:
 def compare(engine: Engine, reference: Engine, tokens: Sequence[int]) -> Comparison:
     """Score tokens with both engines from an empty cache, CHUNK tokens per call."""
     if len(tokens) < 2:
-        raise ValueError("comparing needs at least two tokens")
+        raise SpecrtError(f"comparing needs at least two tokens of text, got {len(tokens)}")
     for e in (engine, reference):
         e.reset()
     parts = []

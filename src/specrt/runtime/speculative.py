@@ -85,7 +85,8 @@ def speculate(reqs: list[Request], target: Engine, costs: StepCosts) -> Round:
     t0 = time.perf_counter()
     offers = [r.drafter.offer(r.seq, r.room(target.capacity)) if r.drafter else NONE for r in reqs]
     contexts = [
-        RoundContext(o.available, len(r.seq), o.source, o.lag) for r, o in _pairs(reqs, offers)
+        RoundContext(o.available, len(r.seq), o.source, o.lag, r.room(target.capacity) + 1)
+        for r, o in _pairs(reqs, offers)
     ]
     decisions = decide_round([r.policy for r in reqs], contexts, costs)
     proposals, catch_up = _propose(reqs, offers, decisions)

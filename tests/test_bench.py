@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -69,9 +70,20 @@ def test_bench_runs_precision_combinations_side_by_side(bundles, precision_bundl
     # K = 0..16, then windows out to the bundle's lookup window (32 drafts: 33 tokens)
     assert sorted(curve) == [*range(1, 18), 24, 33] and curve[1] == 1.0
     assert any(note.startswith("ort_genai_int4 skipped") for note in result["notes"])
+    quality = result["quality"][mixed]
+    assert quality["target"] == {"precision": "fp32"}  # the reference itself
+    assert quality["draft"]["precision"] == "int4" and quality["draft"]["kl_mean_vs_float32"] > 0
     markdown = write_report(result, tmp_path, "mixed")[1].read_text()
     assert f"| specrt_adaptive_{mixed} |" in markdown
     assert f"| {mixed} |" in markdown  # the verify-cost table
+    assert f"| {mixed} | draft | int4 | " in markdown  # its quality against float32
+
+    lines = []
+    with pytest.MonkeyPatch.context() as patch:  # as without the bench extra
+        patch.setitem(sys.modules, "matplotlib", None)
+        paths = write_report(result, tmp_path / "plain", "mixed", log=lines.append)
+    assert [p.name for p in paths] == ["mixed.json", "mixed.md"]
+    assert lines == ["chart skipped: matplotlib is not installed (pip install 'specrt[bench]')"]
 
 
 def test_per_token_latency_spreads_a_block_over_its_tokens():

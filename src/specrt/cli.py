@@ -163,40 +163,10 @@ def inspect(bundle: Path, as_json: bool):
     if as_json:
         click.echo(json.dumps(m, indent=2, sort_keys=True))
         return
-    versions = ", ".join(f"{k} {v}" for k, v in sorted(m["versions"].items()))
-    click.echo(f"bundle       {bundle}  (format {m['format_version']}, {m['created_utc']})")
-    click.echo(f"built with   {versions}")
-    click.echo(
-        f"limits       max context {m['max_context']}   "
-        f"K_max {m['max_draft']}   lookup window {loaded.max_lookup}   "
-        f"eos ids {m['eos_token_ids']}"
-    )
-    from specrt.quality import precision_lines
+    from specrt.inspection import bundle_lines
 
-    for line in precision_lines(loaded):
+    for line in bundle_lines(loaded):
         click.echo(line)
-    profiles = "   ".join(
-        f"{name} {p['min_tokens']}..{p['max_tokens']}" for name, p in m["profiles"].items()
-    )
-    click.echo(f"profiles     {profiles} new tokens")
-    click.echo(f"chat         {'template present' if m.get('chat_template') else 'no template'}")
-    header = (
-        f"{'role':7} {'arch':8} {'layers':>6} {'heads':>5} {'kv':>3} {'hdim':>5} "
-        f"{'hidden':>6} {'vocab':>7}  {'max|dlogit|':>11}  source"
-    )
-    click.echo(header)
-    files = 0
-    for name in loaded.roles:
-        info = m["roles"][name]
-        s, check = info["shape"], info["export_check"]
-        click.echo(
-            f"{name:7} {s['architecture']:8} {s['num_layers']:>6} {s['num_heads']:>5} "
-            f"{s['num_kv_heads']:>3} {s['head_dim']:>5} {s['hidden_size']:>6} "
-            f"{s['vocab_size']:>7}  {check['max_abs_logit_diff']:>11.2e}  "
-            f"{info['source']['spec']}"
-        )
-        files += len(info["files"])
-    click.echo(f"files        {files} verified against their sha256")
 
 
 @cli.command("eval")

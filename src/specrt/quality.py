@@ -12,7 +12,6 @@ Pure numpy over engines' logits: it runs on any backend and never imports torch 
 from __future__ import annotations
 
 import json.decoder
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -182,41 +181,3 @@ def recorded_quality(bundle: Bundle) -> dict[str, dict]:
         check = role.info["export_check"]
         found[name] = {"precision": role.precision, **{k: check[k] for k in RECORDED if k in check}}
     return found
-
-
-def precision_lines(bundle: Bundle) -> list[str]:
-    """What each role runs at, how far that is from float32 (the build's check), and what it
-    means for the outputs."""
-    target = bundle.role("target").precision
-    exact = "the float32 target" if target == "fp32" else f"the {target} target, not float32"
-    lines = []
-    for name in bundle.roles:
-        role = bundle.role(name)
-        info = role.info.get("precision", {"weights": "fp32"})
-        how = ""
-        if "tensors" in info:
-            kinds = Counter(form.split(" ")[0] for form in info["tensors"].values())
-            blocks = ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items()))
-            how = f" (the GGUF's own blocks: {blocks}; accuracy level {info['accuracy_level']})"
-        elif "block_size" in info:
-            how = f" (MatMulNBits, block {info['block_size']}, accuracy level "
-            how += f"{info['accuracy_level']}; embedding {info['embedding']})"
-        check = role.info["export_check"]
-        if "kl_mean_vs_float32" in check:
-            how += (
-                f"; vs float32 on {check['sample_tokens']} tokens of prose: KL "
-                f"{check['kl_mean_vs_float32']:.4f}, top-1 {check['top1_agreement_vs_float32']:.1%}"
-            )
-        elif "argmax_agreement_vs_float32" in check:  # bundles built before the prose check
-            how += (
-                f"; vs float32: max |dlogit| {check['max_abs_logit_diff_vs_float32']:.2e}, "
-                f"argmax agreement {check['argmax_agreement_vs_float32']:.0%} on random tokens"
-            )
-        label = "precision" if name == bundle.roles[0] else ""
-        lines.append(f"{label:12} {name} {role.precision}{how}")
-    lines.append(
-        f"{'':12} outputs are exact against {exact}; the draft's precision only moves acceptance"
-        if bundle.has_draft
-        else f"{'':12} no draft model: lookup (n-gram) drafts; outputs exact against {exact}"
-    )
-    return lines

@@ -124,7 +124,8 @@ def evaluate(
     from specrt.engines.onnxruntime import OrtEngine
 
     results: dict[str, dict[str, dict]] = {}
-    tokenizer = TextTokenizer.from_bundle(bundle)
+    encode = TextTokenizer.from_bundle(bundle).encode
+    samples = {text.name: text_tokens(text, encode, tokens) for text in texts}
     for role in bundle.roles:
         engine = OrtEngine.from_bundle(bundle, role, threads=threads)
         if reference is not None:
@@ -134,10 +135,8 @@ def evaluate(
         else:
             baseline = _float32_source(bundle, role, threads)
         results[role] = {
-            text.name: compare(engine, baseline, text_tokens(text, tokenizer.encode, tokens))
-            .summary()
-            .as_dict()
-            for text in texts
+            name: compare(engine, baseline, ids).summary().as_dict()
+            for name, ids in samples.items()
         }
     return results
 

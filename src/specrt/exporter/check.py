@@ -29,15 +29,13 @@ STEPS = (("prefill", 12), ("decode", 1), ("verify", 5))
 # something (`specrt eval` measures more, on longer texts).
 CONVERTED_STEPS = (("prefill", 120), ("decode", 1), ("verify", 7))
 SAMPLE_TOKENS = sum(n for _, n in CONVERTED_STEPS)  # the longer of the two
+ORT_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 
 
 def converted_steps(positions: int) -> tuple[tuple[str, int], ...]:
     """CONVERTED_STEPS, with a shorter prefill where the graph covers fewer positions."""
     (_, prefill), *rest = CONVERTED_STEPS
     return (("prefill", min(prefill, positions - SAMPLE_TOKENS + prefill)), *rest)
-
-
-ORT_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 
 
 def sample_ids(tokenizer, vocab_size: int, count: int) -> np.ndarray:

@@ -87,6 +87,7 @@ def use_gguf_blocks(
     """Rewrite model in place; return (form per graph weight, names of MatMul nodes left for
     the int4 quantizer because their GGUF type has no exact form)."""
     initializers = {t.name: t for t in model.graph.initializer}
+    replaced: set[str] = set()  # float weights the blocks stand in for
     forms: dict[str, str] = {}
     leftover: list[str] = []
     sums: dict[str, str] = {}  # one per distinct input: q/k/v and gate/up share theirs
@@ -105,16 +106,15 @@ def use_gguf_blocks(
             leftover.append(node.name)
             nodes.append(node)
         else:
-            weight = numpy_helper.to_array(initializers.pop(node.input[1]))
+            weight = numpy_helper.to_array(initializers[node.input[1]])
+            replaced.add(node.input[1])
             blocks = weights.blocks(name, weight.shape[0])
             _check_exact(blocks, weight, name)
             forms[node.input[1]] = blocks.form
             nodes += _matmul_nbits(node, blocks, accuracy_level, sums, model.graph.initializer)
     del model.graph.node[:]
     model.graph.node.extend(nodes)
-    kept = [
-        t for t in model.graph.initializer if t.name in initializers or t.name.startswith("gguf.")
-    ]
+    kept = [t for t in model.graph.initializer if t.name not in replaced]
     del model.graph.initializer[:]
     model.graph.initializer.extend(kept)
     if not any(o.domain == "com.microsoft" for o in model.opset_import):

@@ -33,6 +33,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from specrt.bundle import QUANTIZED
 from specrt.errors import SpecrtError
 from specrt.exporter.gguf_graph import GgufWeights, use_gguf_blocks
 from specrt.exporter.graph import ExternalData
@@ -63,7 +64,7 @@ class Precision:
 
     @property
     def quantized(self) -> bool:
-        return self.weights in ("int8", "int4", "gguf")
+        return self.weights in QUANTIZED
 
     def as_dict(self) -> dict:
         record = {"weights": self.weights}

@@ -83,10 +83,14 @@ def prefill(req: Request, target: Engine) -> int:
 def speculate(reqs: list[Request], target: Engine, costs: StepCosts) -> Round:
     """One round for every request given (each must have room >= 0)."""
     t0 = time.perf_counter()
-    offers = [r.drafter.offer(r.seq, r.room(target.capacity)) if r.drafter else NONE for r in reqs]
+    rooms = [r.room(target.capacity) for r in reqs]
+    offers = [
+        r.drafter.offer(r.seq, room) if r.drafter else NONE
+        for r, room in zip(reqs, rooms, strict=True)
+    ]
     contexts = [
-        RoundContext(o.available, len(r.seq), o.source, o.lag, r.room(target.capacity) + 1)
-        for r, o in _pairs(reqs, offers)
+        RoundContext(o.available, len(r.seq), o.source, o.lag, room + 1)
+        for r, o, room in zip(reqs, offers, rooms, strict=True)
     ]
     decisions = decide_round([r.policy for r in reqs], contexts, costs)
     proposals, catch_up = _propose(reqs, offers, decisions)

@@ -21,10 +21,9 @@ from servers import client, http, metric_values, serving, wait_healthy
 from specrt.exporter.build import build_bundle
 from specrt.runtime import SpeculativeRuntime
 from specrt.serve import ServeSettings
-from specrt.serve.app import Server
-from specrt.serve.errors import APIError
 from specrt.serve.protocol import CompletionRequest
-from specrt.serve.worker import Done, Job
+from specrt.serve.service import JobStream, LocalService
+from specrt.serve.worker import Done, Failed, Job
 
 CONTEXT = 1024  # room for generations long enough to cancel in the middle
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "import numpy as np\n"]
@@ -382,7 +381,7 @@ def test_a_request_queued_past_its_deadline_gets_a_504(bundle, reference, long_s
     """Driven below HTTP, so that the job ahead has no deadline of its own and the order of
     events is certain."""
     settings = ServeSettings(bundle=bundle, model_name="tiny", timeout=long_seconds / 10)
-    server = Server(settings, reference)
+    server = LocalService(settings, reference)
 
     async def scenario() -> None:
         server.start()
@@ -390,9 +389,9 @@ def test_a_request_queued_past_its_deadline_gets_a_504(bundle, reference, long_s
         server.worker.submit(ahead)
         queued = Job(server.generation(CompletionRequest(prompt="x", max_tokens=2)))
         server.worker.submit(queued)
-        with pytest.raises(APIError) as caught:
-            await server._first_event(queued)
-        assert caught.value.status == 504 and server.worker.depth == 0
+        event = await JobStream(queued, server.worker, server.metrics, settings.timeout).next()
+        assert isinstance(event, Failed) and event.error.status == 504
+        assert server.worker.depth == 0
         ahead.cancel()
 
     try:
@@ -527,7 +526,7 @@ def test_concurrent_requests_are_batched_and_each_equals_its_run_alone(bundle, r
 def test_a_queued_request_joins_the_running_batch(bundle, batched):
     """Below HTTP: a short request submitted while a long one runs is admitted into the next
     free slot between rounds and advances beside it (its rounds were batches of 2)."""
-    server = Server(ServeSettings(bundle=bundle, model_name="tiny", max_batch=4), batched)
+    server = LocalService(ServeSettings(bundle=bundle, model_name="tiny", max_batch=4), batched)
 
     async def scenario():
         server.start()

@@ -1,0 +1,212 @@
+"""The engines' side of the server: what the routes ask of whoever runs the generations.
+
+The app (`app.py`) knows HTTP and nothing of engines; it talks to a `Service`: is it healthy,
+what model is this, and, per request, `open` a `Stream` of events (`Delta`, then `Done` or
+`Failed`). `LocalService` runs the engines in this process, behind the worker thread: that is
+`specrt serve`. The Ray Serve application (`specrt.serve.ray`) puts a `LocalService` in each
+engine replica and gives the ingress a service that forwards to them, so one app, with the
+same routes, errors, auth and SSE, is hosted both ways.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from typing import Protocol
+
+from starlette.concurrency import run_in_threadpool
+
+from specrt.bundle import Bundle
+from specrt.errors import SpecrtError
+from specrt.runtime import Generation, SpeculativeRuntime
+from specrt.runtime.drafters import DRAFTERS
+from specrt.serve.errors import APIError
+from specrt.serve.metrics import Metrics
+from specrt.serve.protocol import ChatRequest, CompletionRequest
+from specrt.serve.settings import ServeSettings
+from specrt.serve.worker import Delta, Event, Failed, Job, Worker
+
+log = logging.getLogger("specrt.serve")
+
+Body = CompletionRequest | ChatRequest
+
+
+class Stream(Protocol):
+    """One request's events. `next` never raises: failures arrive as a `Failed` event.
+    `cancel` may be called at any time, also after the last event (then it does nothing)."""
+
+    headers: dict[str, str]  # added to the response (which replica served it, under Ray)
+
+    async def next(self) -> Event: ...
+    def cancel(self) -> None: ...
+
+
+class Service(Protocol):
+    metrics: Metrics
+
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
+    async def health(self) -> tuple[str, dict]: ...
+    async def model_card(self) -> dict: ...
+    async def open(self, body: Body) -> Stream:
+        """Queue a request (raises APIError when it cannot be: not ready, bad values, full)."""
+        ...
+
+
+class LocalService:
+    """The engines in this process: the runtime once loaded, and the worker that runs it."""
+
+    def __init__(
+        self,
+        settings: ServeSettings,
+        runtime: SpeculativeRuntime | None = None,
+        metrics: Metrics | None = None,
+    ):
+        self.settings = settings
+        self.metrics = metrics or Metrics()
+        self.runtime = runtime
+        self.worker: Worker | None = None
+        self.load_error: str | None = None
+
+    def start(self) -> None:
+        """Load the engines (and calibrate) in the background; /health says when it is done."""
+        if self.runtime is not None:
+            self.worker = self._worker(self.runtime)
+            return
+        threading.Thread(target=self.load, name="specrt-load", daemon=True).start()
+
+    def load(self) -> None:
+        """Load the bundle's engines and start the worker; a failure is kept in `load_error`
+        (reported by /health and every route, not a dead thread)."""
+        s = self.settings
+        try:
+            slots = s.max_batch if s.backend.startswith("onnxruntime") else 1
+            if slots > 1 and not Bundle.load(s.bundle).per_row_positions:
+                log.warning(
+                    "%s was built before per-row cache positions: serving one request at a "
+                    "time; rebuild it with this specrt to batch",
+                    s.bundle,
+                )
+                slots = 1
+            runtime = SpeculativeRuntime.load(
+                s.bundle, backend=s.backend, calibrate=s.calibrate, threads=s.threads, slots=slots
+            )
+        except Exception as err:
+            self.load_error = f"{type(err).__name__}: {err}"
+            return
+        self.worker = self._worker(runtime)
+        self.runtime = runtime
+
+    def _worker(self, runtime: SpeculativeRuntime) -> Worker:
+        batch = min(self.settings.max_batch, runtime.slots)
+        return Worker(runtime, batch, self.settings.max_queue, self.metrics)
+
+    def stop(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+
+    def status(self) -> tuple[str, dict]:
+        """ok, loading or error, with a detail for /health."""
+        if self.load_error:
+            return "error", {"detail": f"the bundle could not be loaded: {self.load_error}"}
+        if self.runtime is None or self.worker is None:
+            return "loading", {"detail": "loading and calibrating the engines"}
+        if self.worker.failure:
+            return "error", {"detail": f"the engines failed: {self.worker.failure}"}
+        return "ok", {"model": self.settings.served_model, "waiting": self.worker.depth}
+
+    async def health(self) -> tuple[str, dict]:
+        return self.status()
+
+    def ready(self) -> tuple[SpeculativeRuntime, Worker]:
+        status, detail = self.status()
+        if status != "ok":
+            raise APIError(503, f"the server is not ready: {detail['detail']}", code=status)
+        return self.runtime, self.worker
+
+    async def model_card(self) -> dict:
+        card = {"id": self.settings.served_model, "object": "model", "owned_by": "specrt"}
+        if self.runtime is not None:
+            bundle = self.runtime.bundle
+            card |= {
+                "max_model_len": bundle.max_context,
+                "k_max": bundle.max_draft,
+                "precision": bundle.precision_label,
+                "drafters": list(DRAFTERS) if bundle.has_draft else ["ngram"],
+            }
+        return card
+
+    def generation(self, body: Body) -> Generation:
+        """The runtime's generation for a request (tokenizes: call it off the event loop)."""
+        runtime, limit = self.runtime, body.token_limit
+        prompt_field = "messages" if isinstance(body, ChatRequest) else "prompt"
+        try:
+            ids = runtime.encode(body.prompt_input())
+            room = runtime.bundle.max_context - len(ids)
+            if limit is not None and limit > room:
+                raise APIError(
+                    400,
+                    f"the prompt has {len(ids)} tokens and max_tokens asks for {limit} more; the "
+                    f"model's context is {runtime.bundle.max_context} tokens",
+                    param="max_tokens",
+                    code="context_length_exceeded",
+                )
+            return runtime.stream(
+                ids,
+                max_new_tokens=min(limit or body.default_max_tokens or room, room),
+                timeout=self.settings.timeout,
+                **body.runtime_options(self.settings.controller, self.settings.drafter),
+            )
+        except SpecrtError as err:
+            raise APIError.from_specrt(err, prompt_field) from err
+
+    async def open(self, body: Body) -> JobStream:
+        _, worker = self.ready()
+        job = Job(await run_in_threadpool(self.generation, body))
+        worker.submit(job)
+        return JobStream(job, worker, self.metrics, self.settings.timeout)
+
+
+class JobStream:
+    """The events of a job in this process's worker."""
+
+    headers: dict[str, str] = {}
+
+    def __init__(self, job: Job, worker: Worker, metrics: Metrics, timeout: float | None):
+        self.job, self.worker, self.metrics, self.timeout = job, worker, metrics, timeout
+        self._started = False
+
+    async def next(self) -> Event:
+        if self._started:
+            return await self.job.events.get()
+        self._started = True
+        return await self._first()
+
+    async def _first(self) -> Event:
+        """The job's first event; a job still queued at its deadline is withdrawn (504)."""
+        deadline = self.job.generation.deadline
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            return await asyncio.wait_for(self.job.events.get(), remaining)
+        except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
+            if self.worker.withdraw(self.job):
+                message = (
+                    f"the request waited in the queue past the server's timeout of "
+                    f"{self.timeout:g}s"
+                )
+                return Failed(APIError(504, message, code="timeout"))
+            return await self.job.events.get()  # it started: its own deadline ends it in a round
+
+    def cancel(self) -> None:
+        """Withdrawn if still queued, else stopped after the round in flight (and then
+        recorded by the worker as cancelled); nothing once it has ended."""
+        if self.job.generation.result is None:
+            if self.worker.withdraw(self.job):
+                self.metrics.outcome("cancelled")
+            self.job.cancel()
+
+
+def is_last(event: Event) -> bool:
+    return not isinstance(event, Delta)

@@ -19,6 +19,13 @@ from specrt.runtime import SpeculativeRuntime
 from specrt.serve import ServeSettings, create_app
 
 
+def free_port() -> int:
+    """A loopback port nobody listens on now (for servers that bind it themselves)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 @contextmanager
 def serving(settings: ServeSettings, runtime: SpeculativeRuntime | None = None, app=None):
     """uvicorn in a thread on a free 127.0.0.1 port; yields (base URL, the app)."""

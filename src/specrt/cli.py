@@ -474,6 +474,11 @@ def bench(
 @click.option("--backend", default="onnxruntime", show_default=True, type=click.Choice(BACKENDS))
 @click.option("--threads", type=int, default=None, help="Intra-op threads (default: all cores).")
 @click.option("--log-level", default="info", show_default=True)
+@click.option("--ray", "on_ray", is_flag=True, help="Serve on Ray Serve (the ray extra).")
+@click.option("--replicas", type=int, default=1, show_default=True, help="--ray: engine replicas.")
+@click.option("--min-replicas", type=int, help="--ray: autoscale between this many...")
+@click.option("--max-replicas", type=int, help="...and this many, on ongoing requests.")
+@click.option("--ray-address", help="--ray: join this cluster (auto, ray://...) [default: local].")
 def serve(
     bundle,
     host,
@@ -488,8 +493,14 @@ def serve(
     backend,
     threads,
     log_level,
+    on_ray,
+    replicas,
+    min_replicas,
+    max_replicas,
+    ray_address,
 ):
-    """Serve BUNDLE over an OpenAI-compatible HTTP API (needs the serve extra)."""
+    """Serve BUNDLE over an OpenAI-compatible HTTP API (needs the serve extra); with --ray, as
+    engine replicas on Ray Serve behind the same API (README, 'Ray Serve')."""
     try:
         from specrt.serve.app import run
         from specrt.serve.settings import ServeSettings
@@ -512,8 +523,26 @@ def serve(
         threads=threads,
     )
     settings.check()  # a missing or damaged bundle fails here, not after start-up
+    ray_only = {"--replicas": replicas != 1, "--min-replicas": min_replicas is not None}
+    ray_only |= {"--max-replicas": max_replicas is not None, "--ray-address": ray_address}
+    if on_ray:
+        _serve_on_ray(settings, replicas, min_replicas, max_replicas, ray_address)
+        return
+    if any(ray_only.values()):
+        raise SpecrtError(f"{next(k for k, v in ray_only.items() if v)} needs --ray")
     _log(f"serving {settings.served_model} on http://{host}:{port}/v1 (loading the engines)")
     run(settings, log_level=log_level)
+
+
+def _serve_on_ray(settings, replicas, min_replicas, max_replicas, address) -> None:
+    try:
+        from specrt.serve.ray import RayOptions, run
+    except ImportError as err:
+        raise SpecrtError(f"--ray needs Ray Serve: pip install 'specrt[ray]' ({err})") from err
+    options = RayOptions(replicas=replicas, min_replicas=min_replicas, max_replicas=max_replicas)
+    options.check()
+    _log(f"deploying {settings.served_model} on Ray Serve (engine replicas load the bundle)")
+    run(settings, options, address, say=_log)
 
 
 @cli.command()

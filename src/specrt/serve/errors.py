@@ -6,6 +6,8 @@ their own typed errors (BadRequestError, AuthenticationError, RateLimitError, ..
 
 from __future__ import annotations
 
+import functools
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -44,6 +46,12 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers
+
+    def __reduce__(self):
+        """Exceptions pickle their args alone; under Ray an error crosses from an engine
+        replica to the ingress, status, code and headers included."""
+        options = {"param": self.param, "code": self.code, "headers": self.headers}
+        return functools.partial(APIError, **options), (self.status, self.message)
 
     @classmethod
     def from_specrt(cls, err: SpecrtError, prompt_field: str = "prompt") -> APIError:

@@ -1,0 +1,376 @@
+"""`specrt serve` on Ray Serve: a real local Ray cluster on the loopback address, two engine
+replicas of a tiny bundle, driven by the official `openai` client. Every load is bounded in
+count and time (each request has a client timeout, and nothing retries)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+import pytest
+from servers import client, free_port, http, metric_values, serving, wait_healthy
+
+from specrt.exporter.build import build_bundle
+from specrt.runtime import SpeculativeRuntime
+from specrt.serve import ServeSettings
+
+ray = pytest.importorskip("ray", reason="the ray extra is not installed")
+from ray import serve  # noqa: E402
+
+from specrt.serve.ray import APP_NAME, REPLICA_HEADER, RayOptions, app, build  # noqa: E402
+
+KEY = "ray-key"
+PROMPTS = ["def fibonacci(n):", "The quick brown fox", "import numpy as np\n", "class Stack:"]
+GREEDY = {"temperature": 0}
+TWO = RayOptions(replicas=2, cpus_per_replica=0.5, graceful_shutdown_s=60)
+
+
+@pytest.fixture(scope="module")
+def bundle(pairs, tmp_path_factory) -> Path:
+    draft, target = pairs["llama"]
+    out = tmp_path_factory.mktemp("ray") / "tiny"
+    return build_bundle(str(draft), str(target), out, max_context=512, log=lambda _: None)
+
+
+@pytest.fixture(scope="module")
+def reference(bundle) -> SpeculativeRuntime:
+    return SpeculativeRuntime.load(bundle, calibrate=False)
+
+
+def settings_for(bundle: Path, **changes) -> ServeSettings:
+    return ServeSettings(
+        bundle=bundle, model_name="tiny", api_key=KEY, calibrate=False, max_batch=4, **changes
+    )
+
+
+@dataclass
+class Cluster:
+    base: str  # Serve's HTTP proxy
+    metrics: str  # the node's metrics agent
+
+
+@pytest.fixture(scope="module")
+def cluster(bundle):
+    """A local cluster with the application deployed at 2 engine replicas."""
+    metrics_port, http_port = free_port(), free_port()
+    ray.init(
+        num_cpus=2,
+        _node_ip_address="127.0.0.1",
+        include_dashboard=False,
+        _metrics_export_port=metrics_port,
+        _system_config={"metrics_report_interval_ms": 1000},
+        log_to_driver=False,
+    )
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+        deploy(bundle, TWO)
+        yield Cluster(f"http://127.0.0.1:{http_port}", f"http://127.0.0.1:{metrics_port}")
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def deploy(bundle: Path, options: RayOptions) -> None:
+    serve.run(build(settings_for(bundle), options), name=APP_NAME, route_prefix="/")
+
+
+def engine_replicas() -> dict[str, int]:
+    status = serve.status().applications[APP_NAME].deployments["SpecrtEngine"]
+    return dict(status.replica_states)
+
+
+def wait_for_replicas(count: int, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while engine_replicas() != {"RUNNING": count}:
+        assert time.monotonic() < deadline, f"not {count} running replicas: {engine_replicas()}"
+        time.sleep(0.5)
+
+
+def complete(api: openai.OpenAI, prompt: str, tokens: int, eos: bool = False) -> tuple[str, str]:
+    """(text, replica) of a greedy completion (of exactly `tokens` unless `eos`)."""
+    raw = api.completions.with_raw_response.create(
+        model="tiny", prompt=prompt, max_tokens=tokens, extra_body={"ignore_eos": not eos}, **GREEDY
+    )
+    return raw.parse().choices[0].text, raw.headers[REPLICA_HEADER]
+
+
+def test_the_cli_deploys_on_ray_and_stops_on_sigterm(bundle, reference, tmp_path):
+    """`specrt serve --ray` starts its own local cluster (before the module's, so the two never
+    share the machine), serves, and deletes the application when told to stop."""
+    port = free_port()
+    command = [sys.executable, "-m", "specrt.cli", "serve", str(bundle), "--ray"]
+    command += ["--port", str(port), "--model-name", "tiny", "--max-batch", "2"]
+    log = tmp_path / "serve.log"  # a file, not a pipe: Ray writes more than a pipe holds
+    with log.open("w") as sink:
+        process = subprocess.Popen(
+            command, stderr=sink, stdout=sink, text=True, start_new_session=True
+        )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert process.poll() is None, log.read_text()
+            try:
+                if http(f"{base}/health")[0] == 200:
+                    break
+            except (OSError, ValueError):  # not listening yet; Serve's own 404 before the app
+                pass
+            assert time.monotonic() < deadline, "specrt serve --ray did not become healthy"
+            time.sleep(0.5)
+        want = reference.generate(PROMPTS[0], max_new_tokens=12, ignore_eos=True).text
+        assert complete(client(base, timeout=60), PROMPTS[0], 12)[0] == want
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(90) == 0, log.read_text()
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(30)
+
+
+def test_completions_and_chat_equal_specrt_generate(cluster, reference, bundle):
+    from click.testing import CliRunner
+
+    from specrt.cli import cli
+
+    api = client(cluster.base, KEY, timeout=60)
+    replicas = set()
+    for prompt in PROMPTS:
+        want = reference.generate(prompt, max_new_tokens=24, ignore_eos=True).text
+        text, replica = complete(api, prompt, 24)
+        replicas.add(replica)
+        assert text == want
+        streamed = api.completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=24,
+            stream=True,
+            **GREEDY,
+            extra_body={"ignore_eos": True},
+        )
+        assert "".join(c.choices[0].text for c in streamed) == want
+
+    messages = [{"role": "user", "content": "Write a haiku about caches."}]
+    want = reference.generate(messages, max_new_tokens=20, temperature=0).text
+    chat = api.chat.completions.create(model="tiny", messages=messages, max_tokens=20, **GREEDY)
+    assert chat.choices[0].message.content == want
+    chunks = api.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=20,
+        stream=True,
+        **GREEDY,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+
+    generated = CliRunner().invoke(
+        cli, ["generate", str(bundle), PROMPTS[1], "--max-new-tokens", "24", "--json"]
+    )
+    assert generated.exit_code == 0, generated.output
+    assert complete(api, PROMPTS[1], 24, eos=True)[0] == json.loads(generated.output)["text"]
+
+    with ThreadPoolExecutor(8) as pool:  # concurrent: the router spreads them
+        replicas |= {r for _, r in pool.map(lambda i: complete(api, PROMPTS[i % 4], 8), range(16))}
+    assert len(replicas) == 2, f"one replica served everything: {replicas}"
+
+
+BAD = [
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "top_p": 3}'),
+    ("/v1/completions", b'{"model": "nope", "prompt": "x"}'),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "n": 2}'),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "max_tokens": 100000}'),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": []}'),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user"'),
+    (
+        "/v1/chat/completions",
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}],'
+        b' "prediction": {"type": "content", "content": 3}}',
+    ),
+]
+
+
+def test_bad_requests_get_the_same_4xx_as_specrt_serve(cluster, bundle):
+    """Validation, refusals and the runtime's value checks (in a replica) give the very bodies
+    `specrt serve` gives; a missing key gets the same 401."""
+    long_prompt = "word " * 600
+    cases = [*BAD, ("/v1/completions", f'{{"prompt": "{long_prompt}"}}'.encode())]
+    auth = {"Authorization": f"Bearer {KEY}"}
+    with serving(settings_for(bundle)) as (local, _):
+        assert wait_healthy(local)["status"] == "ok"
+        for path, body in cases:
+            want = http(f"{local}{path}", body, auth)
+            got = http(f"{cluster.base}{path}", body, auth)
+            assert 400 <= want[0] < 500 and got == want, (path, body)
+        want = http(f"{local}/v1/models")
+        assert want[0] == 401 and http(f"{cluster.base}/v1/models") == want
+
+
+def test_health_and_model_card_come_from_the_replicas(cluster):
+    status, body = http(f"{cluster.base}/health")
+    assert status == 200 and body["status"] == "ok" and body["replica"]
+    card = client(cluster.base, KEY).models.retrieve("tiny")
+    assert card.max_model_len == 512 and card.owned_by == "specrt"
+    status, body = http(f"{cluster.base}/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    assert status == 404 and "ray_specrt_" in body["error"]["message"]
+
+
+def test_metrics_are_exported_from_every_replica(cluster):
+    """One scrape of the node's metrics agent: request counts labelled by replica, for both."""
+    api = client(cluster.base, KEY, timeout=60)
+    served = set()
+    with ThreadPoolExecutor(8) as pool:
+        served |= {r for _, r in pool.map(lambda i: complete(api, PROMPTS[i % 4], 6), range(16))}
+    deadline = time.monotonic() + 60
+    while True:
+        counted = {}
+        for (name, labels), value in metric_values(cluster.metrics).items():
+            labels = dict(labels)
+            if name == "ray_specrt_requests_total" and labels.get("deployment") == "SpecrtEngine":
+                counted[labels["replica"]] = counted.get(labels["replica"], 0) + value
+        if served <= set(counted) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert served <= set(counted) and all(v > 0 for v in counted.values()), counted
+
+
+def run_load(api: openai.OpenAI, want: dict[str, str], clients: int, each: int, during=None):
+    """clients x each greedy requests (every other one streamed); `during()` runs once the
+    first request has completed. Returns each request's outcome: ok, wrong, 5xx, hung, other."""
+    first_done = []
+
+    def one(i: int) -> str:
+        prompt = list(want)[i % len(want)]
+        try:
+            if i % 2:
+                stream = api.completions.create(
+                    model="tiny",
+                    prompt=prompt,
+                    max_tokens=120,
+                    stream=True,
+                    **GREEDY,
+                    extra_body={"ignore_eos": True},
+                )
+                text = "".join(c.choices[0].text for c in stream)
+            else:
+                text = complete(api, prompt, 120)[0]
+        except openai.APITimeoutError:
+            return "hung"
+        except openai.APIStatusError as err:
+            return "5xx" if err.status_code >= 500 else f"{err.status_code}"
+        except openai.APIError:  # an error event in a stream that had begun
+            return "5xx"
+        first_done.append(i)
+        return "ok" if text == want[prompt] else "wrong"
+
+    def client_loop(c: int) -> list[str]:
+        return [one(c * each + j) for j in range(each)]
+
+    with ThreadPoolExecutor(clients) as pool:
+        futures = [pool.submit(client_loop, c) for c in range(clients)]
+        if during:
+            deadline = time.monotonic() + 120
+            while not first_done and time.monotonic() < deadline:
+                time.sleep(0.05)
+            during()
+        return [outcome for f in futures for outcome in f.result(timeout=300)]
+
+
+@pytest.fixture(scope="module")
+def long_outputs(reference) -> dict[str, str]:
+    return {p: reference.generate(p, max_new_tokens=120, ignore_eos=True).text for p in PROMPTS}
+
+
+def test_failover_when_a_replica_dies_under_load(cluster, long_outputs, bundle):
+    """8 clients x 4 requests; one engine replica is killed after the first completes. Each
+    request completes with the right output or gets an explicit 5xx: none hangs, none is
+    dropped, and the replacement replica serves later requests beside the survivor."""
+    api = client(cluster.base, KEY, timeout=90)
+    victim = complete(api, PROMPTS[0], 4)[1]
+
+    def kill() -> None:
+        actor = ray.get_actor(f"SERVE_REPLICA::{APP_NAME}#SpecrtEngine#{victim}", namespace="serve")
+        ray.kill(actor, no_restart=True)
+
+    outcomes = run_load(api, long_outputs, clients=8, each=4, during=kill)
+    counts = {o: outcomes.count(o) for o in set(outcomes)}
+    print(f"failover outcomes: {counts}")
+    assert len(outcomes) == 32 and set(counts) <= {"ok", "5xx"}, counts
+    assert counts.get("ok", 0) >= 16, counts
+
+    wait_for_replicas(2)
+    served = set()
+    deadline = time.monotonic() + 120
+    while len(served - {victim}) < 2 and time.monotonic() < deadline:
+        with ThreadPoolExecutor(8) as pool:
+            served |= {r for _, r in pool.map(lambda i: complete(api, PROMPTS[i % 4], 6), range(8))}
+    assert victim not in served or len(served) >= 3
+    assert len(served - {victim}) == 2, f"the new replica served nothing: {served}"
+
+
+def test_scaling_down_under_load_loses_no_request(cluster, long_outputs, bundle):
+    """2 -> 1 replica while 8 clients x 3 requests run: the replica that leaves finishes its
+    requests first (graceful shutdown), so every one completes with the right output."""
+    wait_for_replicas(2)
+    api = client(cluster.base, KEY, timeout=120)
+    outcomes = run_load(
+        api,
+        long_outputs,
+        clients=8,
+        each=3,
+        during=lambda: deploy(
+            bundle, RayOptions(replicas=1, cpus_per_replica=0.5, graceful_shutdown_s=60)
+        ),
+    )
+    assert outcomes == ["ok"] * 24, {o: outcomes.count(o) for o in set(outcomes)}
+    wait_for_replicas(1)
+    deploy(bundle, TWO)
+
+
+def test_the_builder_takes_serve_run_arguments(bundle):
+    application = app({"bundle": str(bundle), "replicas": "2", "max_batch": "4"})
+    assert isinstance(application, serve.Application)
+    from specrt.errors import SpecrtError
+
+    with pytest.raises(SpecrtError, match="unknown argument.*replica_count"):
+        app({"bundle": str(bundle), "replica_count": "2"})
+    with pytest.raises(SpecrtError, match="bundle=PATH is required"):
+        app({"replicas": "2"})
+    with pytest.raises(SpecrtError, match="min-replicas 3 and --max-replicas 2"):
+        app({"bundle": str(bundle), "min_replicas": 3, "max_replicas": 2})
+
+
+def test_the_serve_config_is_valid_for_ray():
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    path = Path(__file__).parents[1] / "configs" / "ray-serve.yaml"
+    config = ServeDeploySchema.model_validate(yaml.safe_load(path.read_text()))
+    (application,) = config.applications
+    assert application.import_path == "specrt.serve.ray:app"
+    assert "bundle" in application.args
+
+
+def test_without_ray_specrt_serve_is_untouched_and_ray_says_what_to_install(bundle):
+    """Ray blocked from importing (as if the extra were not installed): the runtime, the
+    local app and the CLI import without it, and --ray names the extra."""
+    blocked = "import sys; sys.modules['ray'] = None; "
+    check = (
+        "import specrt.runtime, specrt.serve.app, specrt.cli; "
+        "assert not any(m == 'ray' or m.startswith('ray.') for m in sys.modules if sys.modules[m])"
+    )
+    subprocess.run([sys.executable, "-c", blocked + check], check=True, timeout=120)
+    argv = ["specrt", "serve", str(bundle), "--ray"]
+    run = blocked + f"from specrt.cli import main; sys.argv = {argv!r}; main()"
+    done = subprocess.run([sys.executable, "-c", run], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "pip install 'specrt[ray]'" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr

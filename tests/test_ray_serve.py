@@ -30,6 +30,7 @@ from specrt.serve.ray import APP_NAME, REPLICA_HEADER, RayOptions, app, build  #
 KEY = "ray-key"
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "import numpy as np\n", "class Stack:"]
 GREEDY = {"temperature": 0}
+TOKENS = 400  # per request under load: long enough to be in flight when a replica goes
 TWO = RayOptions(replicas=2, cpus_per_replica=0.5, graceful_shutdown_s=60)
 
 
@@ -243,51 +244,67 @@ def test_metrics_are_exported_from_every_replica(cluster):
     assert served <= set(counted) and all(v > 0 for v in counted.values()), counted
 
 
-def run_load(api: openai.OpenAI, want: dict[str, str], clients: int, each: int, during=None):
-    """clients x each greedy requests (every other one streamed); `during()` runs once the
-    first request has completed. Returns each request's outcome: ok, wrong, 5xx, hung, other."""
+@dataclass
+class Outcome:
+    kind: str  # ok, wrong (the output differs), 5xx (an explicit error), hung, or a 4xx status
+    replica: str | None
+    started: float
+    ended: float
+
+
+def run_load(
+    api: openai.OpenAI, want: dict[str, str], clients: int, each: int, during=None, **extra
+):
+    """clients x each greedy requests (every other one streamed), each client's in turn;
+    `during()` runs once the first request has completed, and its start time is returned
+    with every request's outcome. `extra` goes into every request's body."""
     first_done = []
 
-    def one(i: int) -> str:
-        prompt = list(want)[i % len(want)]
+    def one(i: int) -> Outcome:
+        prompt, started, replica = list(want)[i % len(want)], time.monotonic(), None
         try:
-            if i % 2:
-                stream = api.completions.create(
-                    model="tiny",
-                    prompt=prompt,
-                    max_tokens=120,
-                    stream=True,
-                    **GREEDY,
-                    extra_body={"ignore_eos": True},
-                )
-                text = "".join(c.choices[0].text for c in stream)
-            else:
-                text = complete(api, prompt, 120)[0]
+            raw = api.completions.with_raw_response.create(
+                model="tiny",
+                prompt=prompt,
+                max_tokens=TOKENS,
+                stream=bool(i % 2),
+                extra_body={"ignore_eos": True, **extra},
+                **GREEDY,
+            )
+            replica, reply = raw.headers.get(REPLICA_HEADER), raw.parse()
+            text = "".join(c.choices[0].text for c in reply) if i % 2 else reply.choices[0].text
+            kind = "ok" if text == want[prompt] else "wrong"
         except openai.APITimeoutError:
-            return "hung"
+            kind = "hung"
         except openai.APIStatusError as err:
-            return "5xx" if err.status_code >= 500 else f"{err.status_code}"
+            kind = "5xx" if err.status_code >= 500 else str(err.status_code)
         except openai.APIError:  # an error event in a stream that had begun
-            return "5xx"
+            kind = "5xx"
         first_done.append(i)
-        return "ok" if text == want[prompt] else "wrong"
+        return Outcome(kind, replica, started, time.monotonic())
 
-    def client_loop(c: int) -> list[str]:
+    def client_loop(c: int) -> list[Outcome]:
         return [one(c * each + j) for j in range(each)]
 
     with ThreadPoolExecutor(clients) as pool:
         futures = [pool.submit(client_loop, c) for c in range(clients)]
+        deadline = time.monotonic() + 120
+        while during and not first_done and time.monotonic() < deadline:
+            time.sleep(0.05)
+        moment = time.monotonic()
         if during:
-            deadline = time.monotonic() + 120
-            while not first_done and time.monotonic() < deadline:
-                time.sleep(0.05)
             during()
-        return [outcome for f in futures for outcome in f.result(timeout=300)]
+        return moment, [outcome for f in futures for outcome in f.result(timeout=300)]
+
+
+def tally(outcomes: list[Outcome]) -> dict[str, int]:
+    kinds = [o.kind for o in outcomes]
+    return {kind: kinds.count(kind) for kind in set(kinds)}
 
 
 @pytest.fixture(scope="module")
 def long_outputs(reference) -> dict[str, str]:
-    return {p: reference.generate(p, max_new_tokens=120, ignore_eos=True).text for p in PROMPTS}
+    return {p: reference.generate(p, max_new_tokens=TOKENS, ignore_eos=True).text for p in PROMPTS}
 
 
 def test_failover_when_a_replica_dies_under_load(cluster, long_outputs, bundle):
@@ -301,8 +318,8 @@ def test_failover_when_a_replica_dies_under_load(cluster, long_outputs, bundle):
         actor = ray.get_actor(f"SERVE_REPLICA::{APP_NAME}#SpecrtEngine#{victim}", namespace="serve")
         ray.kill(actor, no_restart=True)
 
-    outcomes = run_load(api, long_outputs, clients=8, each=4, during=kill)
-    counts = {o: outcomes.count(o) for o in set(outcomes)}
+    _, outcomes = run_load(api, long_outputs, clients=8, each=4, during=kill)
+    counts = tally(outcomes)
     print(f"failover outcomes: {counts}")
     assert len(outcomes) == 32 and set(counts) <= {"ok", "5xx"}, counts
     assert counts.get("ok", 0) >= 16, counts
@@ -318,21 +335,19 @@ def test_failover_when_a_replica_dies_under_load(cluster, long_outputs, bundle):
 
 
 def test_scaling_down_under_load_loses_no_request(cluster, long_outputs, bundle):
-    """2 -> 1 replica while 8 clients x 3 requests run: the replica that leaves finishes its
-    requests first (graceful shutdown), so every one completes with the right output."""
+    """2 -> 1 replica while 8 clients x 3 requests run: the replica that leaves finishes the
+    requests it holds (graceful shutdown), so every one completes with the right output."""
     wait_for_replicas(2)
     api = client(cluster.base, KEY, timeout=120)
-    outcomes = run_load(
-        api,
-        long_outputs,
-        clients=8,
-        each=3,
-        during=lambda: deploy(
-            bundle, RayOptions(replicas=1, cpus_per_replica=0.5, graceful_shutdown_s=60)
-        ),
+    one = RayOptions(replicas=1, cpus_per_replica=0.5, graceful_shutdown_s=60)
+    scaled, outcomes = run_load(
+        api, long_outputs, clients=8, each=3, during=lambda: deploy(bundle, one), speculation="off"
     )
-    assert outcomes == ["ok"] * 24, {o: outcomes.count(o) for o in set(outcomes)}
     wait_for_replicas(1)
+    survivor = complete(api, PROMPTS[0], 2)[1]
+    assert [o.kind for o in outcomes] == ["ok"] * 24, tally(outcomes)
+    drained = [o for o in outcomes if o.replica != survivor and o.started < scaled < o.ended]
+    assert drained, "the leaving replica held no request when the scale-down began"
     deploy(bundle, TWO)
 
 

@@ -36,9 +36,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(bundle: Path, port: int) -> subprocess.Popen:
+def start_server(bundle: Path, port: int, *options: str) -> subprocess.Popen:
+    """`specrt serve BUNDLE --port PORT [options]` as its own process, once it is healthy."""
     command = [sys.executable, "-m", "specrt.cli", "serve", str(bundle), "--port", str(port)]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [*command, *options], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -47,7 +50,7 @@ def start_server(bundle: Path, port: int) -> subprocess.Popen:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as reply:
                 if reply.status == 200:
                     return process
-        except OSError:
+        except OSError:  # not listening yet, or (Ray Serve) not routed yet: a 404
             pass
         time.sleep(0.5)
     process.kill()

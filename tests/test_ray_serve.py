@@ -352,16 +352,36 @@ def test_scaling_down_under_load_loses_no_request(cluster, long_outputs, bundle)
 
 
 def test_the_builder_takes_serve_run_arguments(bundle):
-    application = app({"bundle": str(bundle), "replicas": "2", "max_batch": "4"})
-    assert isinstance(application, serve.Application)
+    """Through the call `serve run` and a Serve config make: `name=value` strings in."""
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary as build_with
+
     from specrt.errors import SpecrtError
 
+    application = build_with(app, {"bundle": str(bundle), "replicas": "2", "max_batch": "4"})
+    assert isinstance(application, serve.Application)
     with pytest.raises(SpecrtError, match="unknown argument.*replica_count"):
-        app({"bundle": str(bundle), "replica_count": "2"})
+        build_with(app, {"bundle": str(bundle), "replica_count": "2"})
     with pytest.raises(SpecrtError, match="bundle=PATH is required"):
-        app({"replicas": "2"})
+        build_with(app, {"replicas": "2"})
     with pytest.raises(SpecrtError, match="min-replicas 3 and --max-replicas 2"):
-        app({"bundle": str(bundle), "min_replicas": 3, "max_replicas": 2})
+        build_with(app, {"bundle": str(bundle), "min_replicas": "3", "max_replicas": "2"})
+
+
+def test_engine_options_follow_the_settings(bundle):
+    from specrt.serve.ray import engine_options
+
+    settings = settings_for(bundle, max_queue=40)
+    fixed = engine_options(settings, RayOptions(replicas=3))
+    assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
+    assert fixed["max_ongoing_requests"] == 8 and fixed["max_queued_requests"] == 40
+    scaled = engine_options(settings, RayOptions(min_replicas=0, max_replicas=4))
+    assert "num_replicas" not in scaled
+    assert scaled["autoscaling_config"] == {
+        "min_replicas": 0,
+        "initial_replicas": 1,
+        "max_replicas": 4,
+        "target_ongoing_requests": 4,  # one full batch per replica
+    }
 
 
 def test_the_serve_config_is_valid_for_ray():
@@ -389,3 +409,28 @@ def test_without_ray_specrt_serve_is_untouched_and_ray_says_what_to_install(bund
     done = subprocess.run([sys.executable, "-c", run], capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "pip install 'specrt[ray]'" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_the_health_check_fails_when_the_engines_do(bundle, reference, tmp_path):
+    """Ray's health check of a replica (its constructor needs a replica context, so the
+    replica is made without it and given a real service)."""
+    import shutil
+
+    from specrt.serve.ray import EngineReplica
+    from specrt.serve.service import LocalService
+
+    replica = object.__new__(EngineReplica)
+    replica.service = LocalService(settings_for(bundle), reference)
+    replica.service.start()
+    try:
+        replica.check_health()
+    finally:
+        replica.service.stop()
+
+    broken = tmp_path / "broken"
+    shutil.copytree(bundle, broken)
+    (broken / "target" / "tokenizer.json").write_text("{}")
+    replica.service = LocalService(settings_for(broken))
+    replica.service.load()
+    with pytest.raises(RuntimeError, match="does not match its recorded sha256"):
+        replica.check_health()

@@ -228,20 +228,53 @@ def test_health_and_model_card_come_from_the_replicas(cluster):
 def test_metrics_are_exported_from_every_replica(cluster):
     """One scrape of the node's metrics agent: request counts labelled by replica, for both."""
     api = client(cluster.base, KEY, timeout=60)
-    served = set()
     with ThreadPoolExecutor(8) as pool:
-        served |= {r for _, r in pool.map(lambda i: complete(api, PROMPTS[i % 4], 6), range(16))}
+        served = {r for _, r in pool.map(lambda i: complete(api, PROMPTS[i % 4], 6), range(16))}
     deadline = time.monotonic() + 60
-    while True:
-        counted = {}
-        for (name, labels), value in metric_values(cluster.metrics).items():
-            labels = dict(labels)
-            if name == "ray_specrt_requests_total" and labels.get("deployment") == "SpecrtEngine":
-                counted[labels["replica"]] = counted.get(labels["replica"], 0) + value
-        if served <= set(counted) or time.monotonic() > deadline:
-            break
+    while not served <= set(per := counted(cluster, "ray_specrt_requests_total")):
+        assert time.monotonic() < deadline, f"served by {served}, counted for {per}"
         time.sleep(1)
-    assert served <= set(counted) and all(v > 0 for v in counted.values()), counted
+    assert all(value > 0 for value in per.values())
+    tokens = counted(cluster, "ray_specrt_generation_tokens_total")
+    assert served <= set(tokens) and all(value > 0 for value in tokens.values())
+
+
+def counted(cluster: Cluster, name: str, **labels) -> dict[str, float]:
+    """A metric from the node's metrics agent, summed per engine replica."""
+    per_replica: dict[str, float] = {}
+    for (metric, pairs), value in metric_values(cluster.metrics).items():
+        pairs = dict(pairs)
+        if metric != name or pairs.get("deployment") != "SpecrtEngine":
+            continue
+        if all(pairs.get(k) == v for k, v in labels.items()):
+            per_replica[pairs["replica"]] = per_replica.get(pairs["replica"], 0) + value
+    return per_replica
+
+
+def test_a_client_that_leaves_mid_stream_cancels_its_request(cluster):
+    """The client closes a long stream after a few chunks: the replica that ran it records it
+    as cancelled (the proxy, the ingress and the replica each pass the cancellation on)."""
+    api = client(cluster.base, KEY, timeout=60)
+    before = counted(cluster, "ray_specrt_requests_total", outcome="cancelled")
+    raw = api.completions.with_raw_response.create(
+        model="tiny",
+        prompt=PROMPTS[0],
+        max_tokens=480,
+        stream=True,
+        extra_body={"ignore_eos": True, "speculation": "off"},
+        **GREEDY,
+    )
+    replica, stream = raw.headers[REPLICA_HEADER], raw.parse()
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    deadline = time.monotonic() + 60
+    while counted(cluster, "ray_specrt_requests_total", outcome="cancelled").get(
+        replica, 0
+    ) <= before.get(replica, 0):
+        assert time.monotonic() < deadline, "the replica never recorded the cancellation"
+        time.sleep(0.5)
 
 
 @dataclass

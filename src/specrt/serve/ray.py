@@ -23,6 +23,7 @@ per node sees them all. Nothing else in specrt imports this module, or Ray.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import signal
@@ -52,6 +53,7 @@ log = logging.getLogger("specrt.serve")
 APP_NAME = "specrt"
 REPLICA_HEADER = "x-specrt-replica"
 ONGOING_BATCHES = 2  # a replica holds the batch it runs and the next one; the rest wait in Ray
+HEALTH_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -200,7 +202,9 @@ class EngineReplica:
             raise RuntimeError(detail["detail"])
 
     def __del__(self) -> None:
-        self.service.stop()
+        """Called by Ray once the replica's requests are done (graceful shutdown)."""
+        if hasattr(self, "service"):  # not when the constructor failed
+            self.service.stop()
 
 
 class RayStream:
@@ -240,8 +244,12 @@ class RayService:
         pass
 
     async def health(self) -> tuple[str, dict]:
+        """One engine replica's health; an error when none answers in time (with no replica
+        running, Ray would hold the call until one starts)."""
         try:
-            return await self.engine.health.remote()
+            return await asyncio.wait_for(self.engine.health.remote(), HEALTH_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            return "error", {"detail": f"no engine replica answered in {HEALTH_TIMEOUT_S:g}s"}
         except Exception as err:
             return "error", {"detail": f"no engine replica answered: {failure(err).message}"}
 
@@ -255,7 +263,10 @@ class RayService:
         try:
             replica = await events.__anext__()
         except Exception as err:
-            raise failure(err) from err
+            error = failure(err)
+            if error.status == 429:
+                self.metrics.rejected.inc()
+            raise error from err
         return RayStream(events, replica)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from servers import client, http, metric_values, serving, wait_healthy
+from servers import client, free_port, http, metric_values, serving, wait_healthy
 
 from specrt.exporter.build import build_bundle
 from specrt.runtime import SpeculativeRuntime
@@ -419,9 +418,7 @@ def test_health_reports_a_bundle_that_cannot_load(bundle, tmp_path):
 
 
 def test_the_cli_serves_with_a_key_from_the_environment(bundle):
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     command = [sys.executable, "-m", "specrt.cli", "serve", str(bundle), "--port", str(port)]
     env = {**__import__("os").environ, "SPECRT_API_KEY": "k1"}
     process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)

@@ -406,6 +406,9 @@ def test_engine_options_follow_the_settings(bundle):
     settings = settings_for(bundle, max_queue=40)
     fixed = engine_options(settings, RayOptions(replicas=3))
     assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
+    assert fixed["ray_actor_options"] == {"num_cpus": 1}
+    threads = engine_options(settings_for(bundle, threads=4), RayOptions())
+    assert threads["ray_actor_options"] == {"num_cpus": 4}  # Ray reserves what the engines use
     assert fixed["max_ongoing_requests"] == 8 and fixed["max_queued_requests"] == 40
     scaled = engine_options(settings, RayOptions(min_replicas=0, max_replicas=4))
     assert "num_replicas" not in scaled

@@ -64,7 +64,7 @@ class RayOptions:
     min_replicas: int | None = None
     max_replicas: int | None = None
     target_ongoing_requests: float | None = None  # per replica; default: its batch slots
-    cpus_per_replica: float = 1.0  # what Ray reserves; the engines use --threads (or all cores)
+    cpus_per_replica: float | None = None  # what Ray reserves; default: --threads, else 1
     ingress_replicas: int = 1
     graceful_shutdown_s: float = 120.0  # a replica leaving finishes its requests this long
     health_check_period_s: float = 10.0
@@ -109,7 +109,7 @@ def engine_options(settings: ServeSettings, options: RayOptions) -> dict:
         "graceful_shutdown_timeout_s": options.graceful_shutdown_s,
         "graceful_shutdown_wait_loop_s": 0.5,
         "health_check_period_s": options.health_check_period_s,
-        "ray_actor_options": {"num_cpus": options.cpus_per_replica},
+        "ray_actor_options": {"num_cpus": options.cpus_per_replica or settings.threads or 1},
     }
 
 

@@ -9,9 +9,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import openai
@@ -382,6 +383,39 @@ def test_scaling_down_under_load_loses_no_request(cluster, long_outputs, bundle)
     drained = [o for o in outcomes if o.replica != survivor and o.started < scaled < o.ended]
     assert drained, "the leaving replica held no request when the scale-down began"
     deploy(bundle, TWO)
+
+
+def test_autoscaling_adds_a_replica_under_load(cluster, long_outputs, bundle):
+    """From 1 replica, bounds 1..2, a target of 1 ongoing request: 4 clients keep it busy until
+    Ray starts the second replica (its upscale delay is 30 s), and every output is right."""
+    scaling = RayOptions(min_replicas=1, max_replicas=2, target_ongoing_requests=1)
+    deploy(bundle, replace(scaling, cpus_per_replica=0.5, graceful_shutdown_s=60))
+    wait_for_replicas(1)
+    api = client(cluster.base, KEY, timeout=120)
+    stop = threading.Event()
+
+    def keep_busy(c: int) -> list[bool]:
+        right, i = [], c
+        while not stop.is_set():
+            prompt = PROMPTS[i % len(PROMPTS)]
+            right.append(complete(api, prompt, TOKENS)[0] == long_outputs[prompt])
+            i += 1
+        return right
+
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(keep_busy, c) for c in range(4)]
+        try:
+            deadline = time.monotonic() + 150
+            while engine_replicas().get("RUNNING", 0) < 2 and time.monotonic() < deadline:
+                time.sleep(1)
+            scaled_up = engine_replicas().get("RUNNING", 0) == 2
+        finally:
+            stop.set()
+        right = [ok for f in futures for ok in f.result(timeout=300)]
+    assert scaled_up, f"still {engine_replicas()} after 150 s of load"
+    assert right and all(right)
+    deploy(bundle, TWO)
+    wait_for_replicas(2)
 
 
 def test_the_builder_takes_serve_run_arguments(bundle):

@@ -22,11 +22,12 @@ from servers import client, free_port, http, metric_values, serving, wait_health
 from specrt.exporter.build import build_bundle
 from specrt.runtime import SpeculativeRuntime
 from specrt.serve import ServeSettings
+from specrt.serve.settings import RayOptions
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 from ray import serve  # noqa: E402
 
-from specrt.serve.ray import APP_NAME, REPLICA_HEADER, RayOptions, app, build  # noqa: E402
+from specrt.serve.ray import APP_NAME, REPLICA_HEADER, app, build  # noqa: E402
 
 KEY = "ray-key"
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "import numpy as np\n", "class Stack:"]

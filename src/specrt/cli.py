@@ -502,8 +502,8 @@ def serve(
     """Serve BUNDLE over an OpenAI-compatible HTTP API (needs the serve extra); with --ray, as
     engine replicas on Ray Serve behind the same API (README, 'Ray Serve')."""
     try:
-        from specrt.serve.app import run
-        from specrt.serve.settings import ServeSettings
+        from specrt.serve.launch import serve as start
+        from specrt.serve.settings import RayOptions, ServeSettings
     except ImportError as err:
         raise SpecrtError(
             f"specrt serve needs the serve extra: pip install 'specrt[serve]' ({err})"
@@ -522,27 +522,10 @@ def serve(
         backend=backend,
         threads=threads,
     )
-    settings.check()  # a missing or damaged bundle fails here, not after start-up
-    ray_only = {"--replicas": replicas != 1, "--min-replicas": min_replicas is not None}
-    ray_only |= {"--max-replicas": max_replicas is not None, "--ray-address": ray_address}
-    if on_ray:
-        _serve_on_ray(settings, replicas, min_replicas, max_replicas, ray_address)
-        return
-    if any(ray_only.values()):
-        raise SpecrtError(f"{next(k for k, v in ray_only.items() if v)} needs --ray")
-    _log(f"serving {settings.served_model} on http://{host}:{port}/v1 (loading the engines)")
-    run(settings, log_level=log_level)
-
-
-def _serve_on_ray(settings, replicas, min_replicas, max_replicas, address) -> None:
-    try:
-        from specrt.serve.ray import RayOptions, run
-    except ImportError as err:
-        raise SpecrtError(f"--ray needs Ray Serve: pip install 'specrt[ray]' ({err})") from err
-    options = RayOptions(replicas=replicas, min_replicas=min_replicas, max_replicas=max_replicas)
-    options.check()
-    _log(f"deploying {settings.served_model} on Ray Serve (engine replicas load the bundle)")
-    run(settings, options, address, say=_log)
+    ray = RayOptions(replicas=replicas, min_replicas=min_replicas, max_replicas=max_replicas)
+    if not on_ray and (ray != RayOptions() or ray_address):
+        raise SpecrtError("--replicas, --min-replicas, --max-replicas and --ray-address need --ray")
+    start(settings, ray=ray if on_ray else None, address=ray_address, log_level=log_level, say=_log)
 
 
 @cli.command()

@@ -30,7 +30,7 @@ import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import ray
 from pydantic import TypeAdapter
@@ -45,7 +45,7 @@ from specrt.serve.app import create_app
 from specrt.serve.errors import APIError
 from specrt.serve.metrics import Instrument, Metrics
 from specrt.serve.service import Body, LocalService, is_last
-from specrt.serve.settings import ServeSettings
+from specrt.serve.settings import RayOptions, ServeSettings
 from specrt.serve.worker import Event, Failed
 
 log = logging.getLogger("specrt.serve")
@@ -54,39 +54,6 @@ APP_NAME = "specrt"
 REPLICA_HEADER = "x-specrt-replica"
 ONGOING_BATCHES = 2  # a replica holds the batch it runs and the next one; the rest wait in Ray
 HEALTH_TIMEOUT_S = 10.0
-
-
-@dataclass(frozen=True)
-class RayOptions:
-    """How the engine deployment scales. Autoscaling is on when either bound is given."""
-
-    replicas: int = 1
-    min_replicas: int | None = None
-    max_replicas: int | None = None
-    target_ongoing_requests: float | None = None  # per replica; default: its batch slots
-    cpus_per_replica: float | None = None  # what Ray reserves; default: --threads, else 1
-    ingress_replicas: int = 1
-    graceful_shutdown_s: float = 120.0  # a replica leaving finishes its requests this long
-    health_check_period_s: float = 10.0
-
-    @property
-    def autoscaling(self) -> bool:
-        return self.min_replicas is not None or self.max_replicas is not None
-
-    @property
-    def bounds(self) -> tuple[int, int]:
-        """(min, max) replicas when autoscaling: min defaults to 1, max to max(min, 1)."""
-        low = 1 if self.min_replicas is None else self.min_replicas
-        return low, self.max_replicas if self.max_replicas is not None else max(low, 1)
-
-    def check(self) -> None:
-        if self.replicas < 1 or self.ingress_replicas < 1:
-            raise SpecrtError("--replicas must be >= 1")
-        low, high = self.bounds
-        if self.autoscaling and not (low >= 0 and high >= max(low, 1)):
-            raise SpecrtError(
-                f"--min-replicas {low} and --max-replicas {high}: need 0 <= min <= max, max >= 1"
-            )
 
 
 def engine_options(settings: ServeSettings, options: RayOptions) -> dict:

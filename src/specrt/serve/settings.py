@@ -1,5 +1,5 @@
 """One settings object for the server, filled by the CLI (and its environment variables) or by
-a program that hosts the app itself."""
+a program that hosts the app itself; and, for Ray Serve, how its engine deployment scales."""
 
 from __future__ import annotations
 
@@ -46,4 +46,37 @@ class ServeSettings:
         if self.max_queue < 1:
             raise SpecrtError(
                 f"--max-queue must be >= 1 (requests wait there), got {self.max_queue}"
+            )
+
+
+@dataclass(frozen=True)
+class RayOptions:
+    """How the engine deployment scales. Autoscaling is on when either bound is given."""
+
+    replicas: int = 1
+    min_replicas: int | None = None
+    max_replicas: int | None = None
+    target_ongoing_requests: float | None = None  # per replica; default: its batch slots
+    cpus_per_replica: float | None = None  # what Ray reserves; default: --threads, else 1
+    ingress_replicas: int = 1
+    graceful_shutdown_s: float = 120.0  # a replica leaving finishes its requests this long
+    health_check_period_s: float = 10.0
+
+    @property
+    def autoscaling(self) -> bool:
+        return self.min_replicas is not None or self.max_replicas is not None
+
+    @property
+    def bounds(self) -> tuple[int, int]:
+        """(min, max) replicas when autoscaling: min defaults to 1, max to max(min, 1)."""
+        low = 1 if self.min_replicas is None else self.min_replicas
+        return low, self.max_replicas if self.max_replicas is not None else max(low, 1)
+
+    def check(self) -> None:
+        if self.replicas < 1 or self.ingress_replicas < 1:
+            raise SpecrtError("--replicas must be >= 1")
+        low, high = self.bounds
+        if self.autoscaling and not (low >= 0 and high >= max(low, 1)):
+            raise SpecrtError(
+                f"--min-replicas {low} and --max-replicas {high}: need 0 <= min <= max, max >= 1"
             )

@@ -15,6 +15,7 @@ from servers import client, serving, wait_healthy
 from specrt.cli import cli
 from specrt.errors import SpecrtError
 from specrt.runtime import Scheduler, SpeculativeRuntime
+from specrt.runtime.controller import Decision
 from specrt.runtime.drafters import Offer
 from specrt.runtime.prediction import PredictionDrafter
 from specrt.runtime.sampling import SamplingParams
@@ -55,7 +56,8 @@ def test_the_drafter_follows_the_prediction_token_by_token(rt):
     seq = prompt + ids[:5]  # the output took five of them
     assert drafter.offer(seq, 1000) == Offer("prediction", len(ids) - 5)
     assert _offered_text(drafter, seq, tok) == tok.decode(ids[5:])
-    assert drafter.offer(prompt + ids, 1000) == Offer("none", 0)  # all used, no fallback
+    used = drafter.offer(prompt + ids, 1000)  # all used: the context lookup's, or nothing
+    assert used.source != "prediction" and used.free_ahead == 0
 
 
 @pytest.mark.parametrize("cut", range(3, len(TEXT)))
@@ -77,9 +79,75 @@ def test_after_an_edit_the_drafter_finds_its_place_again(rt):
     drafter = PredictionDrafter(TEXT, tok, None)
     drafter.start(prompt, 0)
     seq = prompt + tok.encode("def area(w, height):\n    return 0", add_special_tokens=False)
-    assert drafter.offer(seq, 1000) == Offer("none", 0)  # no text ending in "0" in the prediction
+    assert drafter.offer(seq, 1000).source != "prediction"  # no text ending in "0" in it
     seq += tok.encode(" + w * h", add_special_tokens=False)  # back on the prediction's text
     assert _offered_text(drafter, seq, tok) == "eight\n\n\nprint(area(3, 4))\n"
+
+
+class Fallback:
+    """A request's own drafter that records being asked (the draft model's place)."""
+
+    name, model = "fallback", None
+
+    def __init__(self):
+        self.asked = 0
+
+    def start(self, prompt, slot):
+        pass
+
+    def offer(self, seq, limit):
+        self.asked += 1
+        return Offer("model", limit, lag=7)
+
+    def rollback(self, length):
+        pass
+
+
+def test_off_the_prediction_the_context_drafts_before_the_model(rt):
+    """Where the prediction has nothing, a lookup in the context proposes for free (the prompt
+    quotes the text being edited); the request's own drafter only where that fails too, told
+    how much of the prediction lies ahead, so the controller prices its catch-up against the
+    few rounds it will draft."""
+    tok = rt.tokenizer
+    quoted = tok.encode("Edit this:\n```\nx = compute(1, 2)\n```\n", add_special_tokens=False)
+    fallback = Fallback()
+    drafter = PredictionDrafter(TEXT, tok, fallback)
+    drafter.start(quoted, 0)
+    seq = quoted + tok.encode("```\nx = compute", add_special_tokens=False)  # not in TEXT
+    offer = drafter.offer(seq, 1000)
+    assert offer.source == "ngram" and fallback.asked == 0
+    proposal = drafter.propose(seq, offer.available, SamplingParams(), None, 0.0)
+    assert tok.decode(proposal.tokens).startswith("(1, 2)")
+    ahead = len(tok.encode_spans(TEXT)[0])
+    assert offer.free_ahead == ahead  # the whole prediction: the output never followed it
+    unknown = seq + tok.encode(" zebra", add_special_tokens=False)  # in neither
+    assert drafter.offer(unknown, 1000) == Offer("model", 1000, lag=7, free_ahead=ahead)
+    assert fallback.asked == 1
+
+
+def test_a_free_source_ahead_shortens_the_remaining_tokens_the_controller_sees(bundles):
+    """The request's RoundContext.remaining is its room less the prediction ahead: a draft
+    model's catch-up pays off over the rounds it will draft, not over the whole budget."""
+    runtime = SpeculativeRuntime.load(bundles["llama"], calibrate=False)
+    seen = []
+
+    class Recording:
+        confidence_threshold = 0.0
+
+        def decide(self, ctx):
+            seen.append(ctx)
+            return Decision(0, "recording")
+
+        def observe(self, k, accepted):
+            pass
+
+    runtime.generate(
+        PROMPT, max_new_tokens=8, ignore_eos=True, controller=Recording(), prediction="zebra " * 5
+    )
+    assert seen and all(ctx.remaining == 1 for ctx in seen)  # 30 tokens ahead, 8 of budget
+    seen.clear()
+    runtime.generate(PROMPT, max_new_tokens=8, ignore_eos=True, controller=Recording())
+    assert [ctx.remaining for ctx in seen] == list(range(7, 0, -1))
 
 
 ELSEWHERE = "Le renard brun saute par-dessus le chien. 敏捷的棕色狐狸跳过了懒狗。"

@@ -35,7 +35,8 @@ class RoundContext:
     position: int  # tokens in the sequence so far (prompt + emitted)
     source: str = "model"  # who drafts this round: "model", "ngram", ... (see drafters)
     lag: int = 0  # tokens the draft model must catch up on before it drafts (model rounds)
-    remaining: int | None = None  # tokens the request may still emit (budget, context room)
+    remaining: int | None = None  # tokens its drafter may still serve: the budget or context
+    # room, less what a free source (a prediction) expects to serve, for free, after this round
 
 
 @dataclass(frozen=True)

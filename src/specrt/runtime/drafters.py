@@ -34,6 +34,7 @@ class Offer:
     source: str  # "model", "ngram", ...: what the controller prices this round by
     available: int  # the most tokens it can propose now (0: none this round)
     lag: int = 0  # tokens the draft model's cache must catch up on before it drafts
+    free_ahead: int = 0  # tokens a free source (a prediction) expects to serve after this one
 
 
 @dataclass

@@ -4,8 +4,12 @@ A prediction is text the client expects back mostly unchanged: a file with one f
 a document with two facts updated. While the output follows it, the prediction's next tokens are
 the draft. Where the output leaves it (the edit), the drafter looks for the output's last few
 tokens in the prediction and goes on from there, nearest after where it was first (edits keep
-the order of the text), else the last match before. Where nothing matches, the request's own
-drafter proposes (the draft model; a context lookup with the ngram or hybrid drafter).
+the order of the text), else the last match before. Where the prediction has nothing, a lookup
+in the context (the n-gram drafter's: the prompt usually quotes the text being edited, and the
+output repeats itself) proposes for free, and only where that finds nothing either does the
+request's own drafter (the draft model) propose. Its offer then says how much of the prediction
+lies ahead, so that the controller weighs a draft model's catch-up against the few rounds it
+will draft before the output is back on the prediction, not against the whole budget.
 
 Matching is on text, not tokens: the prediction tokenized alone may split differently from the
 same text inside the output (`(x` against `(`, `x`). So the drafter keeps the prediction as text
@@ -20,7 +24,9 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Sequence
 
-from specrt.runtime.drafters import Drafter, Offer, Proposal
+from dataclasses import replace
+
+from specrt.runtime.drafters import Drafter, NgramDrafter, Offer, Proposal
 from specrt.runtime.text import TextTokenizer
 
 ANCHOR_TOKENS = 8  # the longest tail of the output sought in the prediction...
@@ -37,34 +43,40 @@ class PredictionDrafter:
     def __init__(self, text: str, tokenizer: TextTokenizer, fallback: Drafter | None):
         self.text, self.tokenizer, self.fallback = text, tokenizer, fallback
         self.model = fallback.model if fallback is not None else None
+        self.lookup = NgramDrafter()
         self._output = 0  # where the output begins in the sequence
         self._base = 0  # the character of the text its tokens below start at
         self._tokens: list[int] = []
         self._ends: list[int] = []  # the character each token ends at, from _base
         self._cursor = 0  # the next token of the prediction the output would continue with
         self._synced = 0  # the length of the sequence the cursor stands after
-        self._proposing = False  # whether this round's offer was the prediction's
+        self._proposing: Drafter | None = None  # who proposes this round (None: the prediction)
         self._tokenize_from(0)
         self.length = len(self._tokens)  # the prediction's tokens, tokenized alone
 
     def start(self, prompt: Sequence[int], slot: int) -> None:
         if self.fallback is not None:
             self.fallback.start(prompt, slot)
+        self.lookup.start(prompt, slot)
         self._output = self._synced = len(prompt)
         self._stand_at(0)
 
     def offer(self, seq: Sequence[int], limit: int) -> Offer:
+        self._proposing = None
         if self._follow(seq) or self._resync(seq):
             available = min(len(self._tokens) - self._cursor, limit)
             if available > 0:
-                self._proposing = True
                 return Offer("prediction", available)
-        self._proposing = False
-        return self.fallback.offer(seq, limit) if self.fallback is not None else Offer("none", 0)
+        self._proposing = self.lookup
+        offer = self.lookup.offer(seq, limit)
+        if not offer.available and self.fallback is not None:
+            self._proposing = self.fallback
+            offer = self.fallback.offer(seq, limit)
+        return replace(offer, free_ahead=len(self._tokens) - self._cursor)
 
     def propose(self, seq, k, params, rng, threshold) -> Proposal:
-        if not self._proposing:
-            return self.fallback.propose(seq, k, params, rng, threshold)
+        if self._proposing is not None:
+            return self._proposing.propose(seq, k, params, rng, threshold)
         tokens = self._tokens[self._cursor : self._cursor + k]
         return Proposal(tokens, [None] * len(tokens))
 

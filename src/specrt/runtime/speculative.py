@@ -89,7 +89,7 @@ def speculate(reqs: list[Request], target: Engine, costs: StepCosts) -> Round:
         for r, room in zip(reqs, rooms, strict=True)
     ]
     contexts = [
-        RoundContext(o.available, len(r.seq), o.source, o.lag, room + 1)
+        RoundContext(o.available, len(r.seq), o.source, o.lag, max(1, room + 1 - o.free_ahead))
         for r, o, room in zip(reqs, offers, rooms, strict=True)
     ]
     decisions = decide_round([r.policy for r in reqs], contexts, costs)

@@ -97,7 +97,10 @@ def test_calibrated_costs_are_used_from_the_first_round(agree):
     assert agree.bundle.max_draft == 8 and agree.bundle.max_lookup == 32
     assert sorted(costs.verify) == [*range(1, 10), 16, 24, 33]  # K = 0..8, then long windows
     assert costs.draft_step > 0 and all(t > 0 for t in costs.verify.values())
-    assert sorted(costs.draft) == [1]  # one slot: draft steps of one row
+    assert sorted(costs.draft) == [1, 16, 33]  # one slot: a step of one row, and catch-ups
+    one_slot = StepCosts(draft={1: 0.010, 16: 0.040, 33: 0.074})  # an int4 draft's shape
+    extrapolated = 0.074 + (0.074 - 0.040) / 17 * (500 - 33)
+    assert one_slot.catch_up_cost(500) == pytest.approx(extrapolated - 0.010)  # not free
     stats = agree.generate(PROMPT, max_new_tokens=20, ignore_eos=True).stats
     assert "c_verify(K)/c_verify(0)=" in stats.reasons[0]
 

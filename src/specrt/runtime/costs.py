@@ -28,6 +28,10 @@ from specrt.engines.base import Engine
 SMOOTHING = 0.3  # weight of a new observation: follows load changes within a few rounds
 SPIKE = 1.5  # an observation counts at most this many times the estimate it refines
 PREFIX = 48  # tokens of context behind a calibration call, a typical short prompt
+# Draft calls of this many new tokens in one row: the curve a catch-up (the prompt, rounds served
+# by a lookup or at K = 0) is priced on, extrapolated past 33. With draft steps alone a one-slot
+# runtime knew one point of the draft curve, and priced every catch-up at nothing.
+CATCH_UP_WIDTHS = [16, 33]
 
 
 @dataclass
@@ -157,4 +161,6 @@ def measure_costs(
     costs = StepCosts(verify=verify)
     if draft is not None:
         costs.draft = measure_call_costs(draft, [1], batches, repeats)
+        for rows, seconds in measure_call_costs(draft, CATCH_UP_WIDTHS, [1], repeats).items():
+            costs.draft[rows] = min(seconds, costs.draft.get(rows, seconds))
     return costs

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Sequence
-
 from dataclasses import replace
 
 from specrt.runtime.drafters import Drafter, NgramDrafter, Offer, Proposal

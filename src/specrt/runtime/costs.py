@@ -156,11 +156,15 @@ def measure_costs(
     verify = measure_call_costs(target, widths, [1], repeats)
     if slots > 1:
         widths = sorted({1, 2, k_max // 2 + 1, k_max + 1})
-        for rows, seconds in measure_call_costs(target, widths, batches[1:], repeats).items():
-            verify[rows] = min(seconds, verify.get(rows, seconds))
+        _keep_cheaper(verify, measure_call_costs(target, widths, batches[1:], repeats))
     costs = StepCosts(verify=verify)
     if draft is not None:
         costs.draft = measure_call_costs(draft, [1], batches, repeats)
-        for rows, seconds in measure_call_costs(draft, CATCH_UP_WIDTHS, [1], repeats).items():
-            costs.draft[rows] = min(seconds, costs.draft.get(rows, seconds))
+        _keep_cheaper(costs.draft, measure_call_costs(draft, CATCH_UP_WIDTHS, [1], repeats))
     return costs
+
+
+def _keep_cheaper(curve: dict[int, float], measured: dict[int, float]) -> None:
+    """Add a second grid's counts to a curve; on a tie of rows the cheaper shape is the price."""
+    for rows, seconds in measured.items():
+        curve[rows] = min(seconds, curve.get(rows, seconds))

@@ -8,6 +8,7 @@ exact, keep rows batch-invariant, and say which weights had no exact form."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -23,7 +24,7 @@ from specrt.errors import SpecrtError
 from specrt.exporter.build import build_bundle
 from specrt.exporter.gguf_blocks import SUPPORTED, row_permutation, to_blocks
 from specrt.exporter.precision import Precision
-from specrt.quality import Comparison
+from specrt.quality import Comparison, text_labels
 from specrt.runtime import SpeculativeRuntime
 
 MAX_CONTEXT = 128
@@ -200,6 +201,11 @@ def test_eval_compares_each_role_on_real_text(gguf_bundles, gguf_files, tmp_path
         assert set(texts) == {"decoder.py", "prose.txt"}
         for s in texts.values():
             assert s["tokens"] == 99 and s["kl_mean"] >= 0 and 0 < s["top1_agreement"] <= 1
+
+
+def test_texts_sharing_a_file_name_are_reported_apart():
+    texts = [Path("a/notes.txt"), Path("b/notes.txt"), Path("c/decoder.py")]
+    assert text_labels(texts) == ["a/notes.txt", "b/notes.txt", "decoder.py"]
 
 
 def test_inspect_names_the_blocks_and_the_prose_check(gguf_bundles):

@@ -110,6 +110,13 @@ def text_tokens(path: Path, encode, count: int = DEFAULT_TOKENS) -> list[int]:
     return list(encode(path.read_text(encoding="utf-8")))[:count]
 
 
+def text_labels(texts: Sequence[Path]) -> list[str]:
+    """What each text is reported as: its file name, or the path as given where two texts
+    share a name (`a/notes.txt` and `b/notes.txt` would otherwise be one entry)."""
+    names = [text.name for text in texts]
+    return [text.name if names.count(text.name) == 1 else str(text) for text in texts]
+
+
 def evaluate(
     bundle: Bundle,
     reference: Bundle | None = None,
@@ -118,14 +125,17 @@ def evaluate(
     tokens: int = DEFAULT_TOKENS,
     threads: int | None = None,
 ) -> dict[str, dict[str, dict]]:
-    """{role: {text name: summary}} for every role of bundle, against the same role of
+    """{role: {text label: summary}} for every role of bundle, against the same role of
     reference, or by default the role's own source run by PyTorch in float32 (the model a
     float32 build would run; it needs the export extra)."""
     from specrt.engines.onnxruntime import OrtEngine
 
     results: dict[str, dict[str, dict]] = {}
     encode = TextTokenizer.from_bundle(bundle).encode
-    samples = {text.name: text_tokens(text, encode, tokens) for text in texts}
+    samples = {
+        label: text_tokens(text, encode, tokens)
+        for label, text in zip(text_labels(texts), texts, strict=True)
+    }
     for role in bundle.roles:
         engine = OrtEngine.from_bundle(bundle, role, threads=threads)
         if reference is not None:

@@ -19,16 +19,18 @@ import click
 from specrt.bench import machine_info
 from specrt.files import write_bytes_atomic
 from specrt.runtime import SpeculativeRuntime
-from specrt.runtime.controller import expected_tokens
+from specrt.runtime.controller import price_round
 from specrt.runtime.costs import StepCosts
 
 
 def best_round(costs: StepCosts, batch: int, alpha: float, k_max: int) -> tuple[float, int]:
-    """(tokens per second, K) of the best full round of `batch` requests at acceptance alpha."""
+    """(tokens per second, K) of the best full round of `batch` requests at acceptance alpha,
+    each K priced by the controller's own `price_round` with no draft cache behind."""
+    fresh = [(0, None)] * batch  # (lag, remaining): no catch-up to price
     options = []
     for k in range(k_max + 1):
-        seconds = costs.draft_cost("model", k, batch) + costs.verify_cost(batch * (k + 1))
-        options.append((batch * expected_tokens(alpha, k) / seconds, k))
+        rate, _, _ = price_round([k] * batch, [alpha] * batch, ["model"] * batch, fresh, (), costs)
+        options.append((rate, k))
     return max(options)
 
 

@@ -190,7 +190,7 @@ def decide_together(
             min(max(k_model if s == "model" else k_free, low), cap)
             for s, low, cap in zip(sources, lows, caps, strict=True)
         ]
-        options.append((*_price(ks, alphas, sources, lags, others, costs), ks))
+        options.append((*price_round(ks, alphas, sources, lags, others, costs), ks))
     rate, draft, verify, ks = max(options, key=lambda option: option[0])  # the first best
     base = costs.verify_cost(batch)  # the batch's call at K = 0
     shares = f"c_draft(K)/c_verify={draft / base:.2f} c_verify(K)/c_verify(0)={verify / base:.2f}"
@@ -225,7 +225,7 @@ def _pairs_of_k(caps, sources) -> list[tuple[int, int]]:
     return [(k_model, k_free) for k_model in range(model + 1) for k_free in range(free + 1)]
 
 
-def _price(ks, alphas, sources, lags, others, costs: StepCosts) -> tuple[float, float, float]:
+def price_round(ks, alphas, sources, lags, others, costs: StepCosts) -> tuple[float, float, float]:
     """Expected tokens per second of a round where the joint requests draft ks, and the
     seconds of its draft steps (their catch-ups included: a request that drafted at K = 0 for
     a while must first feed the draft model what it missed, and in a busy batch every other

@@ -98,6 +98,15 @@ def disagree_bundle(pairs, tmp_path_factory) -> Path:
     )
 
 
+@pytest.fixture(scope="session")
+def odd_rows_bundle(bundles, tmp_path_factory) -> Path:
+    """The llama bundle with a target whose calls of an odd number of rows differ, on every
+    machine (see row_checks.py): what the row probe and the padding controls run on."""
+    from row_checks import odd_row_variant
+
+    return odd_row_variant(bundles["llama"], tmp_path_factory.mktemp("odd-rows") / "b")
+
+
 @pytest.fixture
 def bundle_copy(bundles, tmp_path) -> Path:
     """A private copy of the llama bundle, for tests that damage it."""

@@ -2,57 +2,42 @@
 
 The same rows are scored alone (an engine holding one sequence) and inside batches of other
 sizes, with ragged prefixes and ragged new tokens, and must give bit-identical logits; the
-control shows the comparison fails when a kernel's numbers do depend on the batch."""
+controls show the comparison fails when a row's context is wrong, and when a target's numbers
+do depend on the batch (a target built to differ on odd calls, on every machine)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
+from row_checks import BATCHES, mismatches
 
 from specrt.bundle import Bundle
 from specrt.engines.onnxruntime import OrtEngine
 from specrt.errors import SpecrtError
 
-PREFIXES = [list(range(10, 17 + 3 * slot)) for slot in range(5)]  # 7, 10, 13, 16, 19 tokens
-NEW = [list(range(60 + 5 * slot, 60 + 5 * slot + n)) for slot, n in enumerate([1, 3, 5, 2, 4])]
-BATCHES = ([0, 1], [0, 1, 2], [1, 2, 3, 4], [0, 2, 4], [0, 1, 2, 3, 4], [3], [4, 1])
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "d-int8_t-int4", "d-fp16_t-int8", "odd-rows"])
+def test_a_row_scores_the_same_alone_and_in_any_batch(
+    bundles, precision_bundles, odd_rows_bundle, name
+):
+    """With the padding the engine probed for (the odd-rows target needs it on every machine;
+    int8/int4 targets on some CPUs), every row matches itself alone, bit for bit."""
+    paths = {**bundles, **precision_bundles, "odd-rows": odd_rows_bundle}
+    assert mismatches(Bundle.load(paths[name])) == []
 
 
-def _alone(bundle: Bundle, slot: int, **options) -> np.ndarray:
-    engine = OrtEngine.from_bundle(bundle, "target", threads=2, **options)
-    engine.forward(PREFIXES[slot], last=1)
-    return engine.forward(NEW[slot])
+def test_a_row_whose_context_differs_is_caught_in_every_batch(bundles):
+    """The control for the comparison: slot 2's context ends in another token in the batched
+    engine than alone, so its row must be reported in every batch that holds it, and no other
+    row with it."""
+    found = mismatches(Bundle.load(bundles["llama"]), wrong_prefix=2)
+    assert found == [(batch, 2) for batch in BATCHES if 2 in batch]
 
 
-def _mismatches(bundle: Bundle, **options) -> list[tuple[list[int], int]]:
-    """(batch, slot) for every row whose batched logits differ from the row alone."""
-    alone = [_alone(bundle, slot, **options) for slot in range(5)]
-    engine = OrtEngine.from_bundle(bundle, "target", threads=2, slots=5, **options)
-    found = []
-    for batch in BATCHES:
-        for slot, prefix in enumerate(PREFIXES):
-            engine.reset(slot)
-            engine.forward_rows([(slot, prefix)], last=1)
-        rows = engine.forward_rows([(slot, NEW[slot]) for slot in batch])
-        found += [
-            (batch, s)
-            for s, row in zip(batch, rows, strict=True)
-            if not np.array_equal(row, alone[s])
-        ]
-    return found
-
-
-@pytest.mark.parametrize("name", ["llama", "qwen2", "d-int8_t-int4", "d-fp16_t-int8"])
-def test_a_row_scores_the_same_alone_and_in_any_batch(bundles, precision_bundles, name):
-    bundle = Bundle.load(bundles[name] if name in bundles else precision_bundles[name])
-    assert _mismatches(bundle) == []
-
-
-def test_without_even_rows_an_int4_row_depends_on_its_batch(precision_bundles):
-    """The control: MatMulNBits' one-row kernel differs from its pair kernel, so a row alone
-    (odd) and the same row beside another (paired) disagree when calls are not kept even."""
-    bundle = Bundle.load(precision_bundles["d-int8_t-int4"])
-    assert _mismatches(bundle, even_rows=False)
+def test_without_padding_odd_rows_depend_on_their_batch(odd_rows_bundle):
+    """The control for padding: a target whose odd calls differ (as MatMulNBits' one-row kernel
+    does on AVX2), run without the padding its probe asks for, gives rows that depend on their
+    batch."""
+    assert mismatches(Bundle.load(odd_rows_bundle), even_rows=False)
 
 
 def test_batched_calls_keep_per_row_lengths_and_rollback(bundles):
@@ -100,12 +85,15 @@ REQUESTS = [  # (prompt, options): drafters, controllers and budgets of every ki
 ]
 
 
-def test_every_request_in_a_batch_gives_its_output_alone(bundles, precision_bundles):
+def test_every_request_in_a_batch_gives_its_output_alone(
+    bundles, precision_bundles, odd_rows_bundle
+):
     """Six requests through 3 slots (joining and leaving between rounds) against each run alone:
-    greedy outputs must be identical, token for token, on a float32 and an int4 target."""
+    greedy outputs must be identical, token for token, on a float32 and an int4 target, and on
+    one whose odd calls differ (padded as its probe found)."""
     from specrt.runtime import Scheduler, SpeculativeRuntime
 
-    for bundle in (bundles["llama"], precision_bundles["d-int8_t-int4"]):
+    for bundle in (bundles["llama"], precision_bundles["d-int8_t-int4"], odd_rows_bundle):
         runtime = SpeculativeRuntime.load(bundle, slots=3, calibrate=False, threads=2)
         alone = [runtime.generate(p, ignore_eos=True, **o).token_ids for p, o in REQUESTS]
         scheduler = Scheduler(runtime.target, runtime.costs, slots=3)

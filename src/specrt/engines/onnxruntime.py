@@ -12,14 +12,16 @@ transformers.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 
-from specrt.bundle import QUANTIZED, Bundle
+from specrt.bundle import Bundle
 from specrt.engines.base import BufferCache, RowCall, check_room, check_slot
+from specrt.engines.rows import RowProbe, cut_difference
 from specrt.errors import SpecrtError
 from specrt.files import specrt_home
 from specrt.profiles import input_shapes, keep_values, profiles_from_manifest
@@ -119,7 +121,7 @@ class OrtEngine(BufferCache):
     ):
         """margin: cache positions past capacity that the graph covers, for padding (a graph
         from before per-row positions has none, and then holds one slot); even_rows: run every
-        call on an even number of rows (see `forward_rows`)."""
+        call on an even number of rows (see `forward_rows`; `probe_rows` decides it)."""
         if slots > 1 and not margin:
             raise SpecrtError(
                 f"{graph}: this graph shares one cache length across the batch (built before "
@@ -142,9 +144,11 @@ class OrtEngine(BufferCache):
             raise SpecrtError(f"{graph}: ONNX Runtime cannot load this graph: {err}") from err
         check_providers(providers, self.session.get_providers())
         self.device = DEVICE_OF_PROVIDER.get(_name(providers[0]), "cpu")
-        self.vocab_size, self.slots, self.even_rows = vocab_size, slots, even_rows
-        # Without a margin, an even_rows padding token needs a position inside the capacity.
-        self.capacity = capacity - 1 if even_rows and not margin else capacity
+        self.graph = graph
+        self.vocab_size, self.slots = vocab_size, slots
+        self._capacity, self._margin = capacity, margin
+        self.pad_to_even_rows(even_rows)
+        self.row_probe: RowProbe | None = None  # what `probe_rows` found, if it ran
         self._positions_held = capacity + margin
         self._lengths = [0] * slots
         self._binding = self.session.io_binding()
@@ -163,6 +167,26 @@ class OrtEngine(BufferCache):
         self._mask = np.ones((slots, self._positions_held), np.int64)
         self._logits = np.empty(slots * 16 * vocab_size, self._logits_type)  # grows as needed
 
+    def pad_to_even_rows(self, on: bool) -> None:
+        """Run every later call on an even number of rows (see `forward_rows`), or not."""
+        self.even_rows = on
+        # Without a margin, a padding token needs a position inside the capacity.
+        self.capacity = self._capacity - 1 if on and not self._margin else self._capacity
+
+    def probe_rows(self) -> RowProbe:
+        """Pad calls to even rows only where this machine's kernels need it (see rows.py):
+        compare odd calls with even ones bit for bit, unpadded, and where they differ, padded."""
+        self.pad_to_even_rows(False)
+        unpadded = cut_difference(self)
+        padded = None
+        if unpadded != 0.0:
+            self.pad_to_even_rows(True)
+            padded = cut_difference(self)
+        self.row_probe = RowProbe(unpadded, padded)
+        if not self.row_probe.exact:
+            warnings.warn(f"{self.graph}: {self.row_probe.describe()}", stacklevel=2)
+        return self.row_probe
+
     def _zeros(self, shape: list[int], name: str) -> tuple[str, ort.OrtValue, np.ndarray | None]:
         """A zeroed cache buffer. Rows shorter than a batched call's longest read keys past
         their own length (masked out, weight 0), and 0 times uninitialised memory that happens
@@ -180,7 +204,9 @@ class OrtEngine(BufferCache):
         slots = options.get("slots", 1)
         options.setdefault("providers", providers_for(bundle, role, backend, slots))
         # Only the target's numbers decide the output; a draft may differ between call shapes.
-        options.setdefault("even_rows", role == "target" and r.precision in QUANTIZED)
+        # The target's padding is probed unless the caller decides it (even_rows=True/False).
+        probe = role == "target" and options.get("even_rows") is None
+        options["even_rows"] = bool(options.get("even_rows"))
         if role == "target" and r.precision == "fp16" and backend == "onnxruntime":
             raise SpecrtError(
                 f"{bundle.path}: the target is fp16, which is meant for GPU providers. On CPU, "
@@ -188,7 +214,7 @@ class OrtEngine(BufferCache):
                 "carries (measured: 2e-3), so speculation could not promise the target's own "
                 "tokens; build the target as fp32, int8 or int4 for CPU"
             )
-        return cls(
+        engine = cls(
             r.graph,
             num_layers=r.dim("num_layers"),
             num_kv_heads=r.dim("num_kv_heads"),
@@ -198,6 +224,9 @@ class OrtEngine(BufferCache):
             margin=bundle.cache_margin if bundle.per_row_positions else 0,
             **options,
         )
+        if probe:
+            engine.probe_rows()
+        return engine
 
     def forward(self, tokens: Sequence[int], last: int | None = None) -> np.ndarray:
         return self.forward_rows([(0, tokens)], last)[0]
@@ -210,11 +239,12 @@ class OrtEngine(BufferCache):
         length.
 
         With even_rows the call carries an even number of rows in all. ONNX Runtime's
-        MatMulNBits kernels (int8/int4) take activation rows in pairs and give an odd last row to
-        a one-row kernel whose results differ (measured on the int4 1.5B target: up to 0.3 in a
-        logit). A position's logits would then depend on how calls are cut and batched, and a
-        verify call of K+1 tokens would not reproduce one-token decoding. With every call even,
-        every row goes through the pair kernel; a padding row costs next to no time (2 rows ≈ 1).
+        MatMulNBits kernels (int8/int4/gguf) take activation rows in pairs and, on some CPUs
+        (AVX2), give an odd last row to a one-row kernel whose results differ (measured on the
+        int4 1.5B target: up to 0.3 in a logit). A position's logits would then depend on how
+        calls are cut and batched, and a verify call of K+1 tokens would not reproduce one-token
+        decoding. With every call even, every row goes through the pair kernel. `probe_rows`
+        turns this on only where the machine needs it: a padding row is not free.
         """
         keeps = {slot: self._check(slot, tokens, last) for slot, tokens in rows}
         if len(keeps) < len(rows):

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import click
 
-from specrt.bench import machine_info
-from specrt.files import write_bytes_atomic
+from specrt import machine
+from specrt.bench import padding_lines, row_padding
+from specrt.files import write_bytes_atomic, write_json_atomic
 from specrt.runtime import SpeculativeRuntime
 from specrt.runtime.controller import price_round
 from specrt.runtime.costs import StepCosts
@@ -51,36 +52,61 @@ def table(costs: StepCosts, batches: list[int], alphas: list[float], k_max: int)
     return lines
 
 
+def report(rt: SpeculativeRuntime, command: str, sizes: list[int], rates: list[float]) -> dict:
+    """The result as recorded: the machine, the target's row padding, the curves, the table."""
+    costs = rt.costs
+    return {
+        "kind": "ceilings",
+        "bundle": rt.bundle.precision_label,
+        "command": command,
+        "machine": machine.describe(None),
+        "row_padding": row_padding(rt),
+        "verify_ms_by_rows": {n: 1000 * s for n, s in costs.curve().items()},
+        "draft_ms_by_rows": {n: 1000 * s for n, s in sorted(costs.draft.items())},
+        "table": table(costs, sizes, rates, rt.bundle.max_draft),
+    }
+
+
+def markdown(result: dict) -> str:
+    m = result["machine"]
+    curve = ", ".join(f"{n}: {ms:.0f}" for n, ms in result["verify_ms_by_rows"].items())
+    steps = ", ".join(f"{n}: {ms:.1f}" for n, ms in result["draft_ms_by_rows"].items())
+    lines = [
+        f"# Upper bounds from measured costs: {result['bundle']}",
+        "",
+        f"{machine.label(m)}; {m['date']}. `{result['command']}`. No prefill, no catch-ups, "
+        "every round full.",
+        "",
+        *result["table"],
+        "",
+        f"Verify call, ms by rows: {curve}.",
+        "",
+        f"Draft step, ms by rows: {steps}.",
+        *padding_lines({result["bundle"]: result["row_padding"]}),
+    ]
+    return "\n".join(lines) + "\n"
+
+
 @click.command()
 @click.argument("bundle", type=click.Path(exists=True, path_type=Path))
 @click.option("--batch", "batches", default="1,4,8", show_default=True)
 @click.option("--alpha", "alphas", default="0.7,0.8,0.9", show_default=True)
-@click.option("--out", type=click.Path(path_type=Path), help="Also write the Markdown here.")
+@click.option(
+    "--out", type=click.Path(path_type=Path), help="Also write the Markdown here, and JSON beside."
+)
 def main(bundle: Path, batches: str, alphas: str, out: Path | None) -> None:
     sizes = [int(b) for b in batches.split(",")]
     rates = [float(a) for a in alphas.split(",")]
     rt = SpeculativeRuntime.load(bundle, slots=max(sizes))
     if rt.draft is None:
         raise click.UsageError(f"{bundle} has no draft model: nothing to price drafts by")
-    costs, m = rt.costs, machine_info(None)
-    curve = ", ".join(f"{n}: {1000 * s:.0f}" for n, s in costs.curve().items())
-    steps = ", ".join(f"{n}: {1000 * s:.1f}" for n, s in sorted(costs.draft.items()))
-    lines = [
-        f"# Upper bounds from measured costs: {rt.bundle.precision_label}",
-        "",
-        f"{m['cpu']}, {m['cores']} cores; {m['date']}. `python benchmarks/ceilings.py {bundle.name}"
-        f" --batch {batches} --alpha {alphas}`. No prefill, no catch-ups, every round full.",
-        "",
-        *table(costs, sizes, rates, rt.bundle.max_draft),
-        "",
-        f"Verify call, ms by rows: {curve}.",
-        "",
-        f"Draft step, ms by rows: {steps}.",
-    ]
-    text = "\n".join(lines) + "\n"
+    command = f"python benchmarks/ceilings.py {bundle.name} --batch {batches} --alpha {alphas}"
+    result = report(rt, command, sizes, rates)
+    text = markdown(result)
     click.echo(text)
     if out:
         write_bytes_atomic(out, text.encode())
+        write_json_atomic(out.with_suffix(".json"), result)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import click
 
+from specrt import machine
 from specrt.files import write_bytes_atomic, write_json_atomic
 
 
@@ -67,7 +68,7 @@ def markdown(result: dict) -> str:
     lines = [
         "# Precision: quality against float32 and speed, side by side",
         "",
-        f"{m['cpu']}, {m['cores']} cores; {m['date']}; speed: {s['prompts']} prompts × "
+        f"{machine.label(m)}; {m['date']}; speed: {s['prompts']} prompts × "
         f"{s['max_new_tokens']} new tokens, greedy, one run. Quality: `specrt eval`, 511 scored "
         "tokens each of json/decoder.py / prose.txt, against the role's float32 source.",
         "",

@@ -25,6 +25,7 @@ from pathlib import Path
 import openai
 from serve_overhead import free_port, start_server, summarize, through_server
 
+from specrt import machine
 from specrt.bench import load_prompts
 from specrt.files import write_json_atomic
 
@@ -128,7 +129,7 @@ def main() -> None:
         "bundle": str(args.bundle),
         "prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,
-        "cores": os.cpu_count(),
+        "machine": machine.describe(),
         "one_client": one,
         "saturation": saturation,
     }
@@ -137,7 +138,9 @@ def main() -> None:
     s, r = one["specrt_serve"], one["ray"]
     lines = [
         f"# specrt serve on Ray Serve ({len(prompts)} prompts x {args.max_new_tokens} tokens, "
-        f"greedy, adaptive, {os.cpu_count()} cores)",
+        "greedy, adaptive)",
+        "",
+        f"{machine.label(result['machine'])}; {result['machine']['date']}.",
         "",
         "One client, side by side:",
         "",

@@ -14,7 +14,6 @@ identical. A prompt that carries a "prediction" sends it both ways (Predicted Ou
 from __future__ import annotations
 
 import argparse
-import os
 import socket
 import statistics
 import subprocess
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import openai
 
+from specrt import machine
 from specrt.bench import load_prompts
 from specrt.files import write_json_atomic
 from specrt.runtime import SpeculativeRuntime
@@ -165,7 +165,7 @@ def main() -> None:
         "precision": rt.bundle.precision_label,
         "prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,
-        "cores": os.cpu_count(),
+        "machine": machine.describe(),
         "rows": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -173,6 +173,8 @@ def main() -> None:
     lines = [
         f"# specrt serve vs the Python API, one client ({result['precision']}, "
         f"{len(prompts)} prompts x {args.max_new_tokens} tokens, greedy)",
+        "",
+        f"{machine.label(result['machine'])}; {result['machine']['date']}.",
         "",
         "| controller | API tok/s | server tok/s | server/API | API TTFT ms | server TTFT ms "
         "| identical |",

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from specrt import machine
 from specrt.bench import load_prompts, per_token_latencies, run_bench, write_report
 
 PROMPT_FILES = [
@@ -39,11 +40,16 @@ def test_bench_writes_json_markdown_and_chart(bundles, tmp_path):
     assert rows["specrt_fixed_2"]["identical_to_target_alone"]
     assert rows["specrt_adaptive"]["identical_to_target_alone"]
     assert any(note.startswith("ort_genai skipped") for note in result["notes"])
+    assert result["machine"]["cpu"] and isinstance(result["machine"]["simd"], list)
+    assert "onnxruntime" in result["machine"]["versions"]
+    assert result["row_padding"]["d-fp32_t-fp32"]["pads"] is False  # float32: rows invariant
 
     paths = write_report(result, tmp_path, "tiny")
     assert [p.name for p in paths] == ["tiny.json", "tiny.md", "tiny.png"]
     assert json.loads(paths[0].read_text())["configs"][0]["name"] == "pytorch_baseline"
-    assert "| specrt_adaptive |" in paths[1].read_text()
+    table = paths[1].read_text()
+    assert "| specrt_adaptive |" in table and machine.label(result["machine"]) in table
+    assert "Target rows (probed at load)" in table
     assert paths[2].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -10,6 +10,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
+from specrt import machine
 from specrt.bundle import Bundle
 from specrt.cli import cli
 from specrt.doctor import diagnose, probe
@@ -223,8 +224,10 @@ def test_doctor_command_reports_this_machine():
         "onnxruntime-tensorrt",
         "tensorrt",
         "torch",
+        "cpu",
     }
     assert lines["onnxruntime"].split()[1] == "yes"
+    assert machine.label(machine.describe()) in lines["cpu"]  # the CPU and its SIMD features
 
 
 def test_doctor_names_onnxruntime_beside_onnxruntime_gpu_as_the_cause():

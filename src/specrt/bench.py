@@ -16,7 +16,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import platform
 import re
 import resource
 import time
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from specrt import machine
 from specrt.bundle import Bundle
 from specrt.files import write_bytes_atomic, write_json_atomic
 from specrt.quality import recorded_quality
@@ -345,7 +345,7 @@ def run_bench(
     wanted = (lambda name: name in only) if only else (lambda name: True)
     own = [p.get("prediction") for p in prompts]
     guesses = {"own": own, "other": own[1:] + own[:1]}  # "other": another prompt's, all wrong
-    rows, outputs, notes, costs = [], {}, [], {}
+    rows, outputs, notes, costs, padding = [], {}, [], {}, {}
 
     categories = [p["category"] for p in prompts]
 
@@ -380,6 +380,7 @@ def run_bench(
             continue
         rt = SpeculativeRuntime.load(bundle.path, threads=threads, calibrate=False)
         costs[label] = cost_report(rt)
+        padding[label] = row_padding(rt)
         for name, options in configs:
             options = dict(options)
             chosen = guesses[options.pop("guess")] if "guess" in options else ()
@@ -391,7 +392,7 @@ def run_bench(
     return {
         "bundle": str(paths[0]),
         "bundles": {b.precision_label: str(b.path) for b in bundles},
-        "machine": machine_info(threads),
+        "machine": machine.describe(threads),
         "settings": {
             "max_new_tokens": max_new_tokens,
             "stop_at_eos": stop_at_eos,
@@ -404,6 +405,7 @@ def run_bench(
         },
         "configs": [asdict(r) for r in rows],
         "costs": costs,
+        "row_padding": padding,
         "quality": {b.precision_label: recorded_quality(b) for b in bundles},
         "peak_rss_mb": peak_rss_mb(),
         "notes": notes,
@@ -427,6 +429,13 @@ def cost_report(rt: SpeculativeRuntime) -> dict:
         "verify_ratio": {n: t / one for n, t in curve.items()},
         "draft_over_verify": None if draft is None else draft / one,
     }
+
+
+def row_padding(rt: SpeculativeRuntime) -> dict | None:
+    """What the target's row probe found on this machine (None: not probed, e.g. the torch
+    or TensorRT backends), so a result says whether its calls were padded to even rows."""
+    probe = getattr(rt.target, "row_probe", None)
+    return None if probe is None else {**probe.as_dict(), "finding": probe.describe()}
 
 
 def current_rss_mb() -> float:
@@ -507,33 +516,6 @@ def _ratio(a: float, b: float) -> float | None:
     return a / b if b else None  # None: answers of one token have no decoding to compare
 
 
-def machine_info(threads: int | None) -> dict:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    versions = {}
-    for name in ("onnxruntime", "torch", "transformers", "numpy"):
-        try:
-            versions[name] = __import__(name).__version__
-        except ImportError:
-            continue
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "memory_gib": round(memory, 1),
-        "threads": threads,
-        "python": platform.python_version(),
-        "versions": versions,
-        "date": time.strftime("%Y-%m-%d"),
-    }
-
-
 def write_report(
     result: dict, out: Path, stem: str, log: Log = print, render=None, draw=None
 ) -> list[Path]:
@@ -565,7 +547,7 @@ def markdown(result: dict) -> str:
     lines = [
         f"# specrt bench: {Path(result['bundle']).name}",
         "",
-        f"{m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB; {m['date']}; "
+        f"{machine.label(m)}, {m['memory_gib']} GiB; {m['date']}; "
         f"{s['prompts']} prompts ({', '.join(s['prompt_sets'])}) × {s['max_new_tokens']} new "
         f"tokens, greedy, repeat {s['repeat']}; bundles {', '.join(_precisions(result))}; "
         f"peak RSS {result.get('peak_rss_mb', 0):.0f} MB.",
@@ -593,6 +575,7 @@ def markdown(result: dict) -> str:
     lines += _prediction_lines(result["configs"])
     lines += _category_lines(result["configs"])
     lines += _cost_lines(result.get("costs", {}))
+    lines += padding_lines(result.get("row_padding", {}))
     lines += _quality_lines(result.get("quality", {}))
     lines += ["", *[f"- {note}" for note in result["notes"]], ""]
     return "\n".join(lines)
@@ -677,6 +660,12 @@ def _cost_lines(costs: dict) -> list[str]:
         one = c["verify_ms"].get("1", c["verify_ms"].get(1))
         lines.append(f"| {label} | {fmt(c['draft_step_ms'], '.1f')} | {one:.1f} | {cells} |")
     return lines
+
+
+def padding_lines(padding: dict) -> list[str]:
+    """Per bundle, whether the target's calls were padded to even rows on this machine."""
+    found = [f"- {label}: {p['finding']}" for label, p in padding.items() if p]
+    return ["", "Target rows (probed at load):", "", *found] if found else []
 
 
 def _fixed_rows(rows: list[dict]) -> dict[str, dict[int, dict]]:

@@ -538,15 +538,16 @@ def serve(
 )
 @click.option("--bundle", "bundles", multiple=True, type=click.Path(path_type=Path))
 def doctor(as_json: bool, gpu_json: Path | None, bundles: tuple[Path, ...]):
-    """Which backends this machine can run, and why not where it cannot; with --gpu-check,
-    whether each GPU backend is exact and how fast (see README, 'GPU')."""
+    """Which backends this machine can run, and why not where it cannot; its CPU; whether each
+    --bundle's target pads calls to even rows here; with --gpu-check, whether each GPU backend
+    is exact and how fast on the bundles (see README, 'GPU')."""
     from specrt.doctor import render
 
     if gpu_json is not None:
         from specrt.gpucheck import report
 
         raise SystemExit(0 if report(gpu_json, list(bundles), _log, click.echo) else 1)
-    click.echo(render(as_json))
+    click.echo(render(as_json, bundles))
 
 
 @cli.group()

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from specrt.bench import current_rss_mb, fmt, machine_info, write_report
+from specrt import machine
+from specrt.bench import current_rss_mb, fmt, padding_lines, row_padding, write_report
 from specrt.errors import SpecrtError
 from specrt.runtime import Generation, Scheduler, SpeculativeRuntime
 
@@ -130,12 +131,13 @@ def run_concurrency(
     """Every configuration at every level, for every bundle, side by side in one run. With
     repeat, each level runs every configuration in turn, `repeat` times over, so that a slow
     spell of a shared machine falls on all of them; a level reports the median run."""
-    entries, costs = [], {}
+    entries, costs, padding = [], {}, {}
     for path in bundle_paths:
         log(f"loading {path} with {max(levels)} slots (and calibrating the batch cost curves)")
         rt = SpeculativeRuntime.load(path, slots=max(levels), threads=threads)
         label = rt.bundle.precision_label
         costs[label] = {str(n): round(1000 * s, 1) for n, s in rt.costs.curve().items()}
+        padding[label] = row_padding(rt)
         ids = [rt.encode(p.get("messages") or p["prompt"]) for p in prompts]
         alone = {
             i: rt.generate(p, max_new_tokens=max_new_tokens, ignore_eos=True).token_ids
@@ -164,7 +166,7 @@ def run_concurrency(
         del rt
     return {
         "kind": "concurrency",
-        "machine": machine_info(threads),
+        "machine": machine.describe(threads),
         "settings": {
             "bundles": [str(p) for p in bundle_paths],
             "levels": list(levels),
@@ -175,6 +177,7 @@ def run_concurrency(
         },
         "configs": entries,
         "verify_ms_by_rows": costs,
+        "row_padding": padding,
         "goals": goals(entries),
     }
 
@@ -230,7 +233,7 @@ def markdown(result: dict) -> str:
     lines = [
         "# specrt bench --concurrency",
         "",
-        f"{m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB; {m['date']}; {s['prompts']} "
+        f"{machine.label(m)}, {m['memory_gib']} GiB; {m['date']}; {s['prompts']} "
         f"prompts cycled, {s['max_new_tokens']} new tokens each, greedy; closed loop, "
         "2 x concurrency requests (at least 4) per level; the median of "
         f"{s.get('repeat', 1)} run(s) of each level.",
@@ -282,7 +285,7 @@ def markdown(result: dict) -> str:
             f"{fmt(g['adaptive_vs_target_alone'], '.2f')}× | {g['adaptive_vs_best']:.2f}× | "
             f"{g['best']} | {g['adaptive_mean_k']:.2f} |"
         )
-    lines.append("")
+    lines += [*padding_lines(result.get("row_padding", {})), ""]
     return "\n".join(lines)
 
 

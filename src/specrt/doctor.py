@@ -1,4 +1,6 @@
-"""`specrt doctor`: which backends this machine can run, and for each one that it cannot, why.
+"""`specrt doctor`: which backends this machine can run, and for each one that it cannot, why;
+the CPU and its SIMD features; and, for bundles named, whether their targets' calls need padding
+to even rows here (the row probe, see engines/rows.py).
 
 Facts are gathered once (`probe`: versions, execution providers, GPUs) and judged by a pure
 function (`diagnose`), so the verdicts are tested on any machine with facts written by hand.
@@ -8,7 +10,11 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from specrt import machine
 
 GPU_HINT = "on a machine with an NVIDIA GPU and driver: pip install 'specrt[gpu]'"
 # The distributions that install each module, as pip names them: the `tensorrt` meta-package
@@ -130,10 +136,29 @@ def _provider(
     return Verdict(backend, True, f"{provider} on {', '.join(gpus)}{warning}")
 
 
-def render(as_json: bool = False) -> str:
-    """This machine's verdicts: a line per backend, or the facts and verdicts as JSON."""
+def row_padding(bundles: Sequence[Path]) -> dict[str, dict]:
+    """Each bundle's target as the ONNX Runtime engine probes it at load on this machine."""
+    from specrt.bundle import Bundle
+    from specrt.engines.onnxruntime import OrtEngine
+
+    found = {}
+    for path in bundles:
+        probe = OrtEngine.from_bundle(Bundle.load(path), "target").row_probe
+        found[str(path)] = {**probe.as_dict(), "finding": probe.describe()}
+    return found
+
+
+def render(as_json: bool = False, bundles: Sequence[Path] = ()) -> str:
+    """This machine's verdicts (a line per backend), its CPU, and each bundle's row padding;
+    or all of it as JSON."""
     facts = probe()
     verdicts = diagnose(facts)
+    cpu = machine.describe()
+    padding = row_padding(bundles)
     if as_json:
-        return json.dumps({"facts": facts, "backends": [asdict(v) for v in verdicts]})
-    return "\n".join(f"{v.backend:22} {'yes' if v.ok else 'no ':3}  {v.detail}" for v in verdicts)
+        backends = [asdict(v) for v in verdicts]
+        return json.dumps({"facts": facts, "machine": cpu, "backends": backends, "rows": padding})
+    lines = [f"{v.backend:22} {'yes' if v.ok else 'no ':3}  {v.detail}" for v in verdicts]
+    lines.append(f"{'cpu':22} {machine.label(cpu)}")
+    lines += [f"{'target rows':22} {path}: {p['finding']}" for path, p in padding.items()]
+    return "\n".join(lines)

@@ -4,6 +4,7 @@ grows, obeys room, and drafting stops early when the draft is unsure."""
 from __future__ import annotations
 
 import pytest
+from fixed_costs import flat_costs
 
 from specrt.runtime import SpeculativeRuntime
 from specrt.runtime.controller import (
@@ -59,11 +60,12 @@ def test_adaptive_climbs_to_k_max_when_every_draft_is_accepted():
     assert ks[-6:] == [8] * 6 and ks[0] < 8
 
 
-def test_adaptive_on_an_always_agreeing_draft(agree):
-    """How far K climbs here depends on wall-clock costs on a shared machine (a tiny draft step
-    costs about what a tiny verify call does, so K stays low: 1.5 to 2 tokens a call); the
-    climb itself is tested above with deterministic costs. Here: it drafts, and all is kept."""
-    result = agree.generate(PROMPT, max_new_tokens=100, ignore_eos=True)
+def test_adaptive_on_an_always_agreeing_draft(agree_bundle):
+    """With fixed costs (a cheap draft, a flat verify curve) the choice depends on acceptance
+    alone: it drafts, and all is kept."""
+    rt = SpeculativeRuntime.load(agree_bundle, threads=1, calibrate=False)
+    rt.costs = flat_costs()
+    result = rt.generate(PROMPT, max_new_tokens=100, ignore_eos=True)
     assert result.stats.acceptance_rate == 1.0
     assert result.stats.tokens_per_target_call > 1.2
 
@@ -74,10 +76,13 @@ def test_k_falls_to_k_min_when_the_draft_never_agrees(disagree):
     assert result.stats.ks[-6:-1] == [1] * 5  # the last round is capped by the budget
 
 
-def test_adaptive_stops_drafting_when_the_draft_never_agrees(disagree):
+def test_adaptive_stops_drafting_when_the_draft_never_agrees(disagree_bundle):
     """K = 0 (the target alone) beats any K once acceptance is near 0; a draft is still tried
-    now and then, so a draft that starts agreeing is noticed."""
-    result = disagree.generate(PROMPT, max_new_tokens=80, ignore_eos=True)
+    now and then, so a draft that starts agreeing is noticed. Fixed costs: whether a probe is
+    cheap enough (a 2-row call within PROBE_COST of a 1-row one) is then not up to the CPU."""
+    rt = SpeculativeRuntime.load(disagree_bundle, threads=1, calibrate=False)
+    rt.costs = flat_costs()
+    result = rt.generate(PROMPT, max_new_tokens=80, ignore_eos=True)
     ks = result.stats.ks
     assert result.stats.accepted == 0
     assert ks[-30:].count(0) >= 25 and 1 in ks[-30:]

@@ -1,0 +1,29 @@
+"""Costs that no round refines, for tests of what the adaptive controller chooses.
+
+The runtime's costs are wall-clock measurements, refined by every round, so a controller's
+choices on real engines depend on the CPU, its speed and its load. A test that asserts which K
+it picks runs on these instead: its choices then depend on acceptance alone, on every machine.
+"""
+
+from __future__ import annotations
+
+from specrt.runtime.costs import StepCosts
+
+
+class FixedCosts(StepCosts):
+    """A StepCosts whose curves stay as given."""
+
+    def observe_draft(self, seconds: float, steps: int, rows: int = 1) -> None:
+        pass
+
+    def observe_verify(self, rows: int, seconds: float) -> None:
+        pass
+
+
+def flat_costs() -> FixedCosts:
+    """A draft step a fifth of a verify call, catch-ups that cost, and a verify curve that
+    grows 5 % a row: a small draft in front of a weight-bound float32 target."""
+    return FixedCosts(
+        draft={1: 0.002, 16: 0.004, 33: 0.006},
+        verify={1: 0.010, 33: 0.010 + 0.0005 * 32},
+    )

@@ -49,10 +49,11 @@ def cpu_facts(cpuinfo: str | None = None) -> tuple[str, list[str]]:
     return model, [name for flag, name in SIMD_FLAGS.items() if flag in flags]
 
 
-def versions() -> dict[str, str]:
-    """Installed versions of the libraries whose kernels or numbers a result depends on."""
+def versions(names: tuple[str, ...] = VERSIONED) -> dict[str, str]:
+    """Installed versions of these distributions (by default, the libraries whose kernels or
+    numbers a result depends on); those not installed are left out."""
     found = {}
-    for name in VERSIONED:
+    for name in names:
         try:
             found[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gc
 import hashlib
-import importlib.metadata
 import json
 import shutil
 import time
@@ -26,6 +25,7 @@ from specrt.exporter.graph import write_graph
 from specrt.exporter.precision import Precision, convert_graph
 from specrt.exporter.tensorrt import TrtOptions, build_engine, require_tensorrt
 from specrt.files import atomic_dir, hash_tree, write_json_atomic
+from specrt.machine import versions
 from specrt.profiles import Profile, plan_profiles
 from specrt.sources import Source, context_limit, load_model, load_tokenizer
 
@@ -62,13 +62,7 @@ def eos_token_ids(model, tokenizer) -> list[int]:
 
 
 def _versions() -> dict:
-    names = ("torch", "transformers", "onnx", "onnxruntime", "gguf")
-    found = {}
-    for name in names:
-        try:
-            found[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
+    found = versions(("torch", "transformers", "onnx", "onnxruntime", "gguf"))
     return {"specrt": __version__, **found}
 
 

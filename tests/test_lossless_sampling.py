@@ -24,6 +24,7 @@ import specrt.runtime.speculative as speculative
 from specrt.bundle import CACHE_MARGIN
 from specrt.engines.onnxruntime import OrtEngine
 from specrt.exporter.graph import write_graph
+from specrt.exporter.tensors import open_weights
 from specrt.exporter.tiny import make_tiny_pair
 from specrt.runtime.controller import Adaptive, Fixed
 from specrt.runtime.costs import StepCosts
@@ -32,6 +33,7 @@ from specrt.runtime.prediction import PredictionDrafter
 from specrt.runtime.sampling import SamplingParams, probabilities
 from specrt.runtime.speculative import Request, prefill, speculate
 from specrt.runtime.text import TextTokenizer
+from specrt.sources import Source
 
 VOCAB, NEW, SAMPLES, CAPACITY = 8, 4, 20_000, 16
 PROMPT = [1, 5, 3]
@@ -48,8 +50,10 @@ def _engine(folder, out, head_scale: float = 1.0) -> OrtEngine:
 
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     model.lm_head.weight.data *= head_scale
+    scaled = out.with_name(f"{out.name}-model")
+    model.save_pretrained(scaled)
     out.mkdir()
-    shape = write_graph(model, out, CAPACITY + CACHE_MARGIN)
+    shape = write_graph(open_weights(Source.parse(str(scaled))), out, CAPACITY + CACHE_MARGIN)
     return OrtEngine(
         out / "model.onnx",
         num_layers=shape.num_layers,

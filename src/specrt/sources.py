@@ -1,7 +1,8 @@
-"""Model sources: a Hugging Face folder, a hub id, or a GGUF file, loaded as a transformers model.
+"""Model sources: a Hugging Face folder, a hub id, or a GGUF file; their config and tokenizer.
 
-This is where data enters specrt. The exporter reads a source to write a bundle, and the torch
-reference engine reads the same source to run the baseline, so both see the very same weights.
+This is where data enters specrt. The exporter reads a source's weights one tensor at a time
+(exporter.tensors) to write a bundle; the torch reference engine loads the same source whole as
+a transformers model (load_model) to run the baseline, so both see the very same weights.
 torch and transformers are imported inside the functions: the lean runtime never imports this.
 """
 
@@ -91,17 +92,21 @@ def load_model(source: Source, dtype: str = "float32"):
     return model.eval()
 
 
-def context_limit(source: Source) -> int | None:
-    """The most positions the model was built for (max_position_embeddings), from its config
-    alone, so a build can pick its context before loading any weights."""
+def load_config(source: Source):
+    """The model's transformers config, from its config.json or its GGUF metadata (no weights)."""
     from transformers import AutoConfig
 
     name, extra = _pretrained_args(source)
     try:
-        config = AutoConfig.from_pretrained(name, **extra)
+        return AutoConfig.from_pretrained(name, **extra)
     except (OSError, ValueError, ImportError) as err:
         raise SpecrtError(f"cannot read the model config of {source.spec}: {err}") from err
-    return getattr(config, "max_position_embeddings", None)
+
+
+def context_limit(source: Source) -> int | None:
+    """The most positions the model was built for (max_position_embeddings), from its config
+    alone, so a build can pick its context before loading any weights."""
+    return getattr(load_config(source), "max_position_embeddings", None)
 
 
 def load_tokenizer(source: Source):

@@ -1,17 +1,18 @@
 """Build an engine bundle from a draft and a target model source.
 
 Order matters for the user's time: the tokenizers are compared first (seconds), so a mismatched
-pair is refused before minutes are spent exporting. Models are loaded one at a time so peak
-memory is one model plus its graph, not two.
+pair is refused before minutes are spent exporting. Roles are written one after the other, each
+one tensor at a time, so peak memory is a band of one tensor plus the export check's bounded
+part of a model (check.CHECK_BYTES), whatever the model's size.
 """
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import json
 import shutil
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -20,14 +21,23 @@ from pathlib import Path
 from specrt import __version__
 from specrt.bundle import CACHE_MARGIN, FORMAT_VERSION, MANIFEST, ROLES, check_pair
 from specrt.errors import SpecrtError
-from specrt.exporter.check import SAMPLE_TOKENS, check_graph, compare_converted, sample_ids
-from specrt.exporter.graph import write_graph
-from specrt.exporter.precision import Precision, convert_graph
+from specrt.exporter.check import (
+    SAMPLE_TOKENS,
+    check_graph,
+    compare_converted,
+    plan_subset,
+    reference_logits,
+    sample_ids,
+)
+from specrt.exporter.graph import model_shape, write_graph
+from specrt.exporter.precision import Precision, convert_float16
+from specrt.exporter.projections import projections_for
 from specrt.exporter.tensorrt import TrtOptions, build_engine, require_tensorrt
+from specrt.exporter.tensors import open_weights
 from specrt.files import atomic_dir, hash_tree, write_json_atomic
 from specrt.machine import versions
 from specrt.profiles import Profile, plan_profiles
-from specrt.sources import Source, context_limit, load_model, load_tokenizer
+from specrt.sources import Source, context_limit, load_tokenizer
 
 Log = Callable[[str], None]
 
@@ -48,17 +58,21 @@ def vocabulary_digest(tokenizer) -> str:
     return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
 
 
-def eos_token_ids(model, tokenizer) -> list[int]:
+def eos_token_ids(source: Source, config, tokenizer) -> list[int]:
     """Every id that ends generation: generation config, model config and tokenizer all count."""
     ids: set[int] = set()
-    for value in (
-        getattr(model.generation_config, "eos_token_id", None),
-        model.config.eos_token_id,
-        tokenizer.eos_token_id,
-    ):
+    for value in (_generation_eos(source), config.eos_token_id, tokenizer.eos_token_id):
         if value is not None:
             ids.update([value] if isinstance(value, int) else value)
     return sorted(ids)
+
+
+def _generation_eos(source: Source):
+    """generation_config.json's eos_token_id, where the folder has one."""
+    path = Path(source.spec) / "generation_config.json"
+    if source.kind != "folder" or not path.is_file():
+        return None
+    return json.loads(path.read_text()).get("eos_token_id")
 
 
 def _versions() -> dict:
@@ -172,55 +186,39 @@ def _export_role(
 ) -> tuple[dict, list[int]]:
     """Export one role into folder; return its manifest entry and its end-of-sequence ids.
 
-    A converted role is first exported and checked in float32 beside folder, then converted, and
-    the float32 graph is deleted: the check against PyTorch is always made at full precision.
+    The weights are read one tensor at a time, so memory holds a band of one tensor, not the
+    model. Before the graph is written, the export check runs on a bounded part of the model
+    (check.plan_subset): its float32 graph against transformers, and at a converted precision
+    its converted graph against that float32 one.
     """
     started, log, max_context = time.perf_counter(), plan.log, plan.max_context
-    log(f"[{role}] loading {source.spec}")
-    model = load_model(source)
-    limit = getattr(model.config, "max_position_embeddings", max_context)
+    log(f"[{role}] reading {source.spec}")
+    tensors = open_weights(source)
+    config = tensors.config
+    limit = getattr(config, "max_position_embeddings", max_context)
     if max_context > limit:
         raise SpecrtError(f"{role}: --max-context {max_context} exceeds the model's {limit}")
-    float32 = folder if precision.weights == "fp32" else folder.with_name(f"{role}.fp32")
-    float32.mkdir(parents=True)
-    log(
-        f"[{role}] exporting ONNX graph ({model.config.model_type}, "
-        f"{model.config.num_hidden_layers} layers)"
-    )
-    shape = write_graph(model, float32, max_context + CACHE_MARGIN)
-    log(f"[{role}] checking the graph against PyTorch")
+    shape = model_shape(config)
+    capacity = max_context + CACHE_MARGIN
     ids = sample_ids(tokenizer, shape.vocab_size, SAMPLE_TOKENS)
-    check = check_graph(model, float32 / "model.onnx", shape, ids)
+    check = _check(role, tensors, ids, folder.with_name(f"{role}.check"), precision, plan)
     log(
-        f"[{role}] max |logit difference| {check['max_abs_logit_diff']:.2e} "
-        f"(tolerance {check['tolerance']:.2e})"
+        f"[{role}] writing the ONNX graph ({config.model_type}, {shape.num_layers} layers, "
+        f"{precision.weights})"
     )
-    eos = eos_token_ids(model, tokenizer)
-    del model
-    gc.collect()
-    if float32 != folder:
-        log(f"[{role}] converting the weights to {precision.weights}")
-        folder.mkdir()
-        gguf = Path(source.spec) if source.kind == "gguf" else None
-        record = convert_graph(float32 / "model.onnx", folder, precision, gguf, log)
-        check.update(
-            compare_converted(
-                float32 / "model.onnx",
-                folder / "model.onnx",
-                shape,
-                ids,
-                max_context + CACHE_MARGIN,
-            )
-        )
-        log(
-            f"[{role}] {precision.weights} vs float32 on {check['sample_tokens']} tokens of "
-            f"prose: KL mean {check['kl_mean_vs_float32']:.4f}, top-1 agreement "
-            f"{check['top1_agreement_vs_float32']:.1%} (max |logit difference| "
-            f"{check['max_abs_logit_diff_vs_float32']:.2e})"
-        )
+    folder.mkdir(parents=True)
+    projections = projections_for(precision)
+    if precision.weights == "fp16":
+        float32 = folder.with_name(f"{role}.fp32")
+        float32.mkdir()
+        write_graph(tensors, float32, capacity)
+        convert_float16(float32 / "model.onnx", folder)
         shutil.rmtree(float32)
     else:
-        record = {}
+        write_graph(tensors, folder, capacity, projections)
+    record = {"tensors": projections.forms} if precision.weights == "gguf" else {}
+    for form, count in sorted(Counter(projections.forms.values()).items()):
+        log(f"  {count} x {form}")
     engine = None
     if plan.tensorrt is not None:
         log(f"[{role}] building the TensorRT engine ({plan.tensorrt.precision})")
@@ -249,4 +247,63 @@ def _export_role(
     }
     if engine is not None:
         info["tensorrt"] = engine
-    return info, eos
+    return info, eos_token_ids(source, config, tokenizer)
+
+
+def _check(role: str, tensors, ids, scratch: Path, precision: Precision, plan: _Plan) -> dict:
+    """The export check on check.plan_subset's part of the model, in scratch (then removed)."""
+    log, capacity = plan.log, plan.max_context + CACHE_MARGIN
+    subset, subset_ids = plan_subset(tensors, ids)
+    whole = subset.layers == list(range(tensors.config.num_hidden_layers)) and subset.vocab is None
+    part = (
+        "the whole model"
+        if whole
+        else (
+            f"layers {subset.layers} of {tensors.config.num_hidden_layers}"
+            + ("" if subset.vocab is None else f", {len(subset.vocab)} token ids")
+        )
+    )
+    log(f"[{role}] checking the graph against PyTorch on {part}")
+    references = reference_logits(subset, subset_ids)
+    scratch.mkdir(parents=True)
+    try:
+        (scratch / "fp32").mkdir()
+        sub_shape = write_graph(subset, scratch / "fp32", capacity)
+        check = check_graph(references, scratch / "fp32" / "model.onnx", sub_shape, subset_ids)
+        del references
+        check["checked_layers"] = subset.layers
+        check["checked_vocabulary"] = sub_shape.vocab_size
+        log(
+            f"[{role}] max |logit difference| {check['max_abs_logit_diff']:.2e} "
+            f"(tolerance {check['tolerance']:.2e})"
+        )
+        if precision.weights == "fp32":
+            return check
+        (scratch / "converted").mkdir()
+        if precision.weights == "fp16":
+            convert_float16(scratch / "fp32" / "model.onnx", scratch / "converted")
+        else:
+            write_graph(subset, scratch / "converted", capacity, projections_for(precision))
+        converted = compare_converted(
+            scratch / "fp32" / "model.onnx",
+            scratch / "converted" / "model.onnx",
+            sub_shape,
+            subset_ids,
+            capacity,
+        )
+        # A part of a model (layers skipped) magnifies conversion error: its KL is a check that
+        # the converted graph works, not a measure of the model's quality (`specrt eval` is).
+        if whole:
+            check.update(converted)
+        else:
+            check["part_vs_float32"] = converted
+        log(
+            f"[{role}] {precision.weights} vs float32 on {converted['sample_tokens']} tokens of "
+            f"prose ({part}): KL mean {converted['kl_mean_vs_float32']:.4f}, top-1 agreement "
+            f"{converted['top1_agreement_vs_float32']:.1%} (max |logit difference| "
+            f"{converted['max_abs_logit_diff_vs_float32']:.2e})"
+            + ("" if whole else "; `specrt eval` measures the whole model")
+        )
+        return check
+    finally:
+        shutil.rmtree(scratch)

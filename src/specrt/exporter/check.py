@@ -7,10 +7,18 @@ on purpose; its difference is measured and recorded (what `inspect` shows), and 
 (non-finite logits) is refused. Both checks drive the graph exactly as the runtime will: a
 prefill, then 1 token and then several on top of the cache, over real text (the package's prose
 sample): on random tokens every model is lost, and agreement there says little.
+
+The check must fit the build's memory bound whatever the model's size, so it runs on a part of
+the model (plan_subset): the whole of a small one; of a larger one, its first layers and its
+last and, where the tables are large, some of its vocabulary, written by the same graph writer
+from the same weights. transformers' reference runs first and is freed before ONNX Runtime
+loads the graph. What the part cannot show (a converted model's KL over all its layers) is what
+`specrt eval` measures on the finished bundle.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +26,7 @@ import numpy as np
 
 from specrt.errors import SpecrtError
 from specrt.exporter.graph import ModelShape
+from specrt.exporter.tensors import Subset, Tensors
 from specrt.quality import PROSE, Comparison
 
 # Max |ORT logit - PyTorch logit| allowed, relative to the largest |logit| (float32 graphs).
@@ -29,6 +38,10 @@ STEPS = (("prefill", 12), ("decode", 1), ("verify", 5))
 # something (`specrt eval` measures more, on longer texts).
 CONVERTED_STEPS = (("prefill", 120), ("decode", 1), ("verify", 7))
 SAMPLE_TOKENS = sum(n for _, n in CONVERTED_STEPS)  # the longer of the two
+# float32 bytes of weights the check runs at once (transformers', then ONNX Runtime's copy): the
+# build's memory bound. 0.5B models and up are checked on a subset (see plan_subset).
+CHECK_BYTES = 768 * 2**20
+CHECK_VOCAB = 8192
 ORT_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 
 
@@ -80,20 +93,64 @@ def _steps(
         position += count
 
 
-def check_graph(model, graph: Path, shape: ModelShape, ids: np.ndarray) -> dict:
-    """Compare logits step by step; return the record for the manifest or raise if out of bounds."""
-    import torch
-    from transformers import DynamicCache
+def plan_subset(tensors: Tensors, ids: np.ndarray) -> tuple[Subset, np.ndarray]:
+    """The part of the model the export check runs, and the sample's ids in its vocabulary.
 
-    reference_cache = DynamicCache(config=model.config)
-    cases, largest, argmax_agree = {}, 0.0, True
-    for case, new, logits in _steps(graph, shape, ids[:, : sum(n for _, n in STEPS)]):
+    A model whose float32 weights fit CHECK_BYTES is checked whole. A larger one is checked on
+    its first layers and its last (as many as fit, at least one) and, where the embedding and
+    head alone would not fit, on the first CHECK_VOCAB token ids plus every id of the sample:
+    each op the graph writer emits still runs on the model's own weights, so a wrong rotary,
+    mask, cache position, norm or head shows up as it would on the whole model."""
+    config = tensors.config
+    layers = config.num_hidden_layers
+    embed = "model.embed_tokens.weight"
+    per_layer = 4 * sum(
+        math.prod(tensors.shape(n)) for n in tensors.names() if n.startswith("model.layers.0.")
+    )
+    vocab_rows, hidden = tensors.shape(embed)
+    tables = 1 if "lm_head.weight" not in tensors else 2
+    table_bytes = 4 * vocab_rows * hidden * tables
+    vocab = None
+    if table_bytes > CHECK_BYTES // 2:
+        vocab = np.union1d(np.arange(min(vocab_rows, CHECK_VOCAB)), ids.ravel())
+        table_bytes = 4 * len(vocab) * hidden * tables
+        ids = np.searchsorted(vocab, ids)
+    fit = max(1, min(layers, (CHECK_BYTES - table_bytes) // max(1, per_layer)))
+    chosen = list(range(layers)) if fit >= layers else [*range(fit - 1), layers - 1]
+    return Subset(tensors, chosen if fit > 1 else [0], vocab), ids
+
+
+def reference_logits(tensors: Tensors, ids: np.ndarray) -> list[np.ndarray]:
+    """transformers' own forward over the same weights, step by step as _steps drives the
+    graph; the model is freed before the graph is run, so the two are never in memory at once."""
+    import torch
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    model = AutoModelForCausalLM.from_config(tensors.config, dtype=torch.float32).eval()
+    tied = getattr(tensors.config, "tie_word_embeddings", False)
+    missing = []
+    with torch.no_grad():
+        for name, param in model.state_dict().items():
+            if name in tensors:
+                param.copy_(torch.tensor(tensors.get(name)))  # a copy: GGUF floats are read-only
+            elif not (tied and name == "lm_head.weight"):
+                missing.append(name)
+    if missing:
+        raise SpecrtError(f"{tensors}: the weights lack {', '.join(missing[:5])}")
+    cache, outputs, position = DynamicCache(config=model.config), [], 0
+    for _, count in STEPS:
+        new = torch.from_numpy(ids[:, position : position + count])
         with torch.no_grad():
-            reference = (
-                model(torch.from_numpy(new), past_key_values=reference_cache, use_cache=True)
-                .logits.float()
-                .numpy()
-            )
+            outputs.append(model(new, past_key_values=cache, use_cache=True).logits.float().numpy())
+        position += count
+    return outputs
+
+
+def check_graph(references: list[np.ndarray], graph: Path, shape: ModelShape, ids) -> dict:
+    """Compare logits step by step; return the record for the manifest or raise if out of bounds."""
+    cases, largest, argmax_agree = {}, 0.0, True
+    steps = _steps(graph, shape, ids[:, : sum(n for _, n in STEPS)])
+    for (case, _, logits), reference in zip(steps, references, strict=True):
         cases[case] = float(np.abs(logits - reference).max())
         largest = max(largest, float(np.abs(reference).max()))
         argmax_agree &= bool((logits.argmax(-1) == reference.argmax(-1)).all())

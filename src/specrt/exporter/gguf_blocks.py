@@ -182,15 +182,3 @@ def row_permutation(rows: int, heads: int) -> np.ndarray:
     interleaved for its rotary kernel): weights[perm] is what the float32 model holds."""
     dim = rows // heads // 2
     return np.arange(rows).reshape(heads, dim, 2).swapaxes(2, 1).reshape(rows)
-
-
-def permuted(blocks: Blocks, perm: np.ndarray) -> Blocks:
-    offsets = None if blocks.offsets is None else blocks.offsets[:, perm]
-    return Blocks(
-        blocks.kind,
-        blocks.bits,
-        blocks.block_size,
-        blocks.values[perm],
-        blocks.scales[perm],
-        offsets,
-    )

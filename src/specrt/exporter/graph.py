@@ -2,7 +2,9 @@
 
 We emit the graph from the weights, as ONNX Runtime GenAI's model builder does, instead of tracing
 PyTorch: tracing fixes the cache layout that transformers happens to use, while speculation needs
-a cache that is preallocated once and updated in place.
+a cache that is preallocated once and updated in place. The weights are read one tensor at a time
+(exporter.tensors) and written by the role's precision (exporter.projections) straight into the
+side file, so writing a graph never holds the model.
 
 I/O follows the optimum / GenAI naming so other tools recognise it:
 
@@ -28,6 +30,7 @@ vocabulary projection for every prompt position but the last.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -36,11 +39,13 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from specrt.errors import SpecrtError
+from specrt.exporter.external_data import ExternalData
+from specrt.exporter.projections import FloatProjections
+from specrt.exporter.tensors import Tensors
 
 OPSET = 18
 IR_VERSION = 10  # what ONNX Runtime >= 1.18 and TensorRT 10 load
 SUPPORTED = ("llama", "qwen2", "mistral")
-ALIGN = 4096  # page-aligned weights can be memory-mapped
 
 
 @dataclass(frozen=True)
@@ -79,46 +84,22 @@ def model_shape(config) -> ModelShape:
     )
 
 
-class ExternalData:
-    """Streams weights into one side file so the graph proto stays small."""
-
-    def __init__(self, handle, location: str):
-        self.handle = handle
-        self.location = location
-        self.offset = 0
-
-    def tensor(self, name: str, array: np.ndarray) -> TensorProto:
-        array = np.ascontiguousarray(array)
-        pad = (-self.offset) % ALIGN
-        self.handle.write(b"\0" * pad)
-        self.offset += pad
-        self.handle.write(memoryview(array).cast("B"))
-        proto = TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(array.dtype))
-        proto.dims.extend(array.shape)
-        proto.data_location = TensorProto.EXTERNAL
-        for key, value in (
-            ("location", self.location),
-            ("offset", self.offset),
-            ("length", array.nbytes),
-        ):
-            proto.external_data.add(key=key, value=str(value))
-        self.offset += array.nbytes
-        return proto
-
-
 class _Builder:
-    """Appends nodes and initializers; every op returns the name of its single output."""
+    """Appends nodes and initializers; every op returns the name of its single output. It
+    carries what every piece of the graph reads: the weights and how projections are written."""
 
-    def __init__(self, data: ExternalData):
-        self.data = data
+    def __init__(self, data: ExternalData, tensors: Tensors, projections):
+        self.data, self.tensors, self.projections = data, tensors, projections
         self.nodes: list = []
         self.initializers: list = []
         self.count = 0
+        self.batch = ""  # the batch size as a 1-d tensor, set once the inputs are read
 
-    def op(self, op_type: str, *inputs: str, out: str | None = None, **attrs) -> str:
+    def op(self, op_type: str, *inputs: str, out: str | None = None, domain=None, **attrs) -> str:
         self.count += 1
         name = out or f"{op_type}_{self.count}"
-        self.nodes.append(helper.make_node(op_type, list(inputs), [name], name=name, **attrs))
+        node = helper.make_node(op_type, list(inputs), [name], name=name, domain=domain, **attrs)
+        self.nodes.append(node)
         return name
 
     def const(self, value, dtype=np.int64, name: str | None = None) -> str:
@@ -127,25 +108,32 @@ class _Builder:
         self.initializers.append(numpy_helper.from_array(np.asarray(value, dtype=dtype), name))
         return name
 
-    def weight(self, name: str, tensor) -> str:
-        array = tensor.detach().to("cpu").float().numpy() if hasattr(tensor, "detach") else tensor
+    def weight(self, name: str, array: np.ndarray) -> str:
         self.initializers.append(self.data.tensor(name, array))
         return name
 
+    def weight_from_bands(self, name: str, bands: Iterable[np.ndarray]) -> str:
+        self.initializers.append(self.data.tensor_from_bands(name, bands))
+        return name
 
-def _linear(b: _Builder, x: str, module, name: str) -> str:
-    """x @ W^T (+ bias); weights are stored pre-transposed for MatMul."""
-    y = b.op("MatMul", x, b.weight(f"{name}.weight_t", module.weight.detach().float().T))
-    if getattr(module, "bias", None) is not None:
-        y = b.op("Add", y, b.weight(f"{name}.bias", module.bias))
-    return y
+    def weight_bands(self, name: str, source: str) -> str:
+        """A source tensor as a float32 initializer, streamed by bands of rows."""
+        return self.weight_from_bands(name, (rows for _, rows in self.tensors.bands(source)))
+
+    def linear(self, x: str, module: str, name: str) -> str:
+        """x @ W^T (+ bias) for the Linear `module` (a Hugging Face module name)."""
+        y = self.projections.linear(self, x, f"{module}.weight", name)
+        if f"{module}.bias" in self.tensors:
+            y = self.op("Add", y, self.weight(f"{name}.bias", self.tensors.get(f"{module}.bias")))
+        return y
 
 
-def _rms_norm(b: _Builder, x: str, module, name: str, eps: float) -> str:
+def _rms_norm(b: _Builder, x: str, module: str, name: str, eps: float) -> str:
     """The Pow/ReduceMean/Add/Sqrt/Div/Mul pattern ONNX Runtime fuses into one kernel."""
     var = b.op("ReduceMean", b.op("Pow", x, b.const(2.0, np.float32)), b.const([-1]), keepdims=1)
     std = b.op("Sqrt", b.op("Add", var, b.const(eps, np.float32)))
-    return b.op("Mul", b.op("Div", x, std), b.weight(f"{name}.weight", module.weight))
+    scale = b.weight(f"{name}.weight", b.tensors.get(f"{module}.weight"))
+    return b.op("Mul", b.op("Div", x, std), scale)
 
 
 def _rope(b: _Builder, x: str, cos: str, sin: str, half: int) -> str:
@@ -156,31 +144,39 @@ def _rope(b: _Builder, x: str, cos: str, sin: str, half: int) -> str:
     return b.op("Add", b.op("Mul", x, cos), b.op("Mul", rotated, sin))
 
 
-def _rope_tables(model, capacity: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin per position from the model's own rotary module (covers every rope scaling)."""
-    import torch
+def rope_tables(config, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin per position from the model's own rotary class, built from its config alone
+    (no weights), so every rope scaling transformers knows is covered."""
+    import importlib
 
+    import torch
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    module = importlib.import_module(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__module__)
+    rotary = next(getattr(module, n) for n in dir(module) if n.endswith("RotaryEmbedding"))
     positions = torch.arange(capacity).unsqueeze(0)
-    probe = torch.zeros(1, dtype=torch.float32)
     with torch.no_grad():
-        cos, sin = model.model.rotary_emb(probe, positions)
+        cos, sin = rotary(config=config)(torch.zeros(1, dtype=torch.float32), positions)
     return cos[0].float().numpy(), sin[0].float().numpy()
 
 
-def write_graph(model, out_dir: Path, capacity: int) -> ModelShape:
-    """Write model.onnx and model.onnx.data into out_dir; return the model's shape. capacity:
-    the positions the rotary tables cover (the cache's, margin included)."""
-    shape = model_shape(model.config)
+def write_graph(tensors: Tensors, out_dir: Path, capacity: int, projections=None) -> ModelShape:
+    """Write model.onnx and model.onnx.data into out_dir from the weights, one tensor at a
+    time; return the model's shape. capacity: the positions the rotary tables cover (the
+    cache's, margin included). projections: how weight matrices are written (float32 when
+    None; see projections.py)."""
+    config = tensors.config
+    shape = model_shape(config)
     heads, kv, hd = shape.num_heads, shape.num_kv_heads, shape.head_dim
     rep = heads // kv
-    eps = float(model.config.rms_norm_eps)
-    inner = model.model
+    eps = float(config.rms_norm_eps)
+    projections = projections or FloatProjections()
     with open(out_dir / "model.onnx.data", "wb") as handle:
-        b = _Builder(ExternalData(handle, "model.onnx.data"))
+        b = _Builder(ExternalData(handle, "model.onnx.data"), tensors, projections)
         # Shapes: S new tokens, T total (the longest row's past + new). Each row's token s sits
         # at position_ids[b, s], which is also its cache index (rows have their own lengths).
         ids_shape = b.op("Shape", "input_ids")
-        batch = b.op("Slice", ids_shape, b.const([0]), b.const([1]))
+        batch = b.batch = b.op("Slice", ids_shape, b.const([0]), b.const([1]))
         seq = b.op("Slice", ids_shape, b.const([1]), b.const([2]))
         total = b.op("Slice", b.op("Shape", "attention_mask"), b.const([1]), b.const([2]))
         k_pos = b.op("Range", b.const(0), b.op("Squeeze", total, b.const([0])), b.const(1))
@@ -207,19 +203,18 @@ def write_graph(model, out_dir: Path, capacity: int) -> ModelShape:
         grouped_scores = b.op("Concat", batch, b.const([kv, rep]), seq, total, axis=0)
         flat_scores = b.op("Concat", batch, b.const([kv, -1]), total, axis=0)
 
-        cos_table, sin_table = _rope_tables(model, capacity)
+        cos_table, sin_table = rope_tables(config, capacity)
         pos_cos = b.op("Gather", b.weight("rope.cos", cos_table), "position_ids")
         pos_sin = b.op("Gather", b.weight("rope.sin", sin_table), "position_ids")
         cos = b.op("Unsqueeze", pos_cos, b.const([1]))
         sin = b.op("Unsqueeze", pos_sin, b.const([1]))
 
-        embed = b.weight("embed_tokens.weight", inner.embed_tokens.weight)
+        embed = b.weight_bands("embed_tokens.weight", "model.embed_tokens.weight")
         x = b.op("Gather", embed, "input_ids")
-        for i, layer in enumerate(inner.layers):
+        for i in range(shape.num_layers):
             x = _decoder_layer(
                 b,
                 x,
-                layer,
                 i,
                 shape,
                 eps,
@@ -241,15 +236,21 @@ def write_graph(model, out_dir: Path, capacity: int) -> ModelShape:
             b.const([np.iinfo(np.int64).max]),
             b.const([1]),
         )
-        x = _rms_norm(b, x, inner.norm, "norm", eps)
-        _lm_head(b, x, model, embed, batch)
+        x = _rms_norm(b, x, "model.norm", "norm", eps)
+        tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in tensors
+        head = "model.embed_tokens.weight" if tied else "lm_head.weight"
+        logits = projections.head(b, x, head, embed if tied else None)
+        b.op("Identity", logits, out="logits")
 
     graph = helper.make_graph(
         b.nodes, "specrt_decoder", _inputs(shape), _outputs(shape), initializer=b.initializers
     )
+    opsets = [helper.make_opsetid("", OPSET)]
+    if any(node.domain == "com.microsoft" for node in b.nodes):
+        opsets.append(helper.make_opsetid("com.microsoft", 1))
     proto = helper.make_model(
         graph,
-        opset_imports=[helper.make_opsetid("", OPSET)],
+        opset_imports=opsets,
         ir_version=IR_VERSION,
         producer_name="specrt",
     )
@@ -258,21 +259,21 @@ def write_graph(model, out_dir: Path, capacity: int) -> ModelShape:
 
 
 def _decoder_layer(
-    b, x, layer, i, shape, eps, rep, cos, sin, mask, scatter_at, total, grouped_scores, flat_scores
+    b, x, i, shape, eps, rep, cos, sin, mask, scatter_at, total, grouped_scores, flat_scores
 ) -> str:
     heads, kv, hd = shape.num_heads, shape.num_kv_heads, shape.head_dim
-    attn, prefix = layer.self_attn, f"layers.{i}"
-    h = _rms_norm(b, x, layer.input_layernorm, f"{prefix}.input_layernorm", eps)
+    source, prefix = f"model.layers.{i}", f"layers.{i}"
+    h = _rms_norm(b, x, f"{source}.input_layernorm", f"{prefix}.input_layernorm", eps)
 
-    def project(module, name, n_heads):  # [B, S, n*hd] -> [B, n, S, hd]
-        y = _linear(b, h, module, f"{prefix}.self_attn.{name}")
+    def project(name, n_heads):  # [B, S, n*hd] -> [B, n, S, hd]
+        y = b.linear(h, f"{source}.self_attn.{name}", f"{prefix}.self_attn.{name}")
         return b.op(
             "Transpose", b.op("Reshape", y, b.const([0, 0, n_heads, hd])), perm=[0, 2, 1, 3]
         )
 
-    q = _rope(b, project(attn.q_proj, "q_proj", heads), cos, sin, hd // 2)
-    k = _rope(b, project(attn.k_proj, "k_proj", kv), cos, sin, hd // 2)
-    v = project(attn.v_proj, "v_proj", kv)
+    q = _rope(b, project("q_proj", heads), cos, sin, hd // 2)
+    k = _rope(b, project("k_proj", kv), cos, sin, hd // 2)
+    v = project("v_proj", kv)
     keys = b.op(
         "ScatterElements", f"past_key_values.{i}.key", scatter_at, k, out=f"present.{i}.key", axis=2
     )
@@ -296,26 +297,14 @@ def _decoder_layer(
     probs = b.op("Reshape", b.op("Softmax", scores, axis=-1), flat_scores)
     ctx = b.op("Reshape", b.op("MatMul", probs, values), b.const([0, heads, -1, hd]))
     ctx = b.op("Reshape", b.op("Transpose", ctx, perm=[0, 2, 1, 3]), b.const([0, 0, heads * hd]))
-    x = b.op("Add", x, _linear(b, ctx, attn.o_proj, f"{prefix}.self_attn.o_proj"))
+    x = b.op("Add", x, b.linear(ctx, f"{source}.self_attn.o_proj", f"{prefix}.self_attn.o_proj"))
 
-    h = _rms_norm(b, x, layer.post_attention_layernorm, f"{prefix}.post_attention_layernorm", eps)
-    mlp = layer.mlp
-    gate = _linear(b, h, mlp.gate_proj, f"{prefix}.mlp.gate_proj")
-    up = _linear(b, h, mlp.up_proj, f"{prefix}.mlp.up_proj")
+    post = "post_attention_layernorm"
+    h = _rms_norm(b, x, f"{source}.{post}", f"{prefix}.{post}", eps)
+    gate = b.linear(h, f"{source}.mlp.gate_proj", f"{prefix}.mlp.gate_proj")
+    up = b.linear(h, f"{source}.mlp.up_proj", f"{prefix}.mlp.up_proj")
     act = b.op("Mul", b.op("Mul", gate, b.op("Sigmoid", gate)), up)
-    return b.op("Add", x, _linear(b, act, mlp.down_proj, f"{prefix}.mlp.down_proj"))
-
-
-def _lm_head(b: _Builder, x: str, model, embed: str, batch: str) -> None:
-    """Tied heads reuse the embedding matrix through Gemm(transB) rather than a transposed copy."""
-    head = model.lm_head
-    if head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr():
-        flat = b.op("Reshape", x, b.const([-1, model.config.hidden_size]))
-        logits = b.op("Gemm", flat, embed, transB=1)
-        out_shape = b.op("Concat", batch, b.const([-1, model.config.vocab_size]), axis=0)
-        b.op("Reshape", logits, out_shape, out="logits")
-    else:
-        b.op("Identity", _linear(b, x, head, "lm_head"), out="logits")
+    return b.op("Add", x, b.linear(act, f"{source}.mlp.down_proj", f"{prefix}.mlp.down_proj"))
 
 
 def _inputs(shape: ModelShape) -> list:

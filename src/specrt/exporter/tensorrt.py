@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specrt.errors import SpecrtError
-from specrt.exporter.precision import Precision, convert_graph
+from specrt.exporter.precision import convert_float16
 from specrt.files import write_bytes_atomic
 from specrt.profiles import Profile, input_shapes, keep_values
 
@@ -178,7 +178,7 @@ def _graph_at(graph: Path, precision: str) -> Iterator[Path]:
         yield graph
         return
     with tempfile.TemporaryDirectory(prefix="specrt-trt-", dir=graph.parent.parent) as folder:
-        convert_graph(graph, Path(folder), Precision(precision))
+        convert_float16(graph, Path(folder))
         yield Path(folder) / "model.onnx"
 
 

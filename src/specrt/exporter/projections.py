@@ -1,0 +1,198 @@
+"""How a weight matrix becomes graph nodes at a role's precision, one tensor at a time.
+
+The graph writer asks for `linear(b, x, source, name)` (x @ W^T for the Linear weight `source`)
+and `head(b, x, ...)` (the vocabulary projection); each precision reads its tensor in bands of
+output rows, converts the band and writes it straight into the side file, so no step holds a
+model, only one band of one matrix beside its converted form:
+
+- float32: MatMul on W^T (the head as Gemm(transB) on W, so it streams by rows too);
+- int8/int4: MatMulNBits, symmetric blocks along the inputs, quantized by ONNX Runtime's own
+  block quantizer column by column (each output is quantized on its own, so band by band gives
+  the very bytes a whole-matrix pass would);
+- gguf: MatMulNBits over the GGUF file's own blocks (see gguf_blocks), each band checked against
+  the file's dequantized floats; a float tensor stays float32 and a type with no exact form is
+  quantized to int4 as above, and `forms` records which weight took which road.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from specrt.errors import SpecrtError
+from specrt.exporter.gguf_blocks import SUMS_BLOCK, Blocks
+from specrt.exporter.precision import Precision
+
+# Float rounding of the scales (d*sc, and the offsets' c*d - m) is all that may differ.
+EXACT_RELATIVE_TOLERANCE = 1e-5
+FLOAT_KINDS = ("F32", "F16", "BF16")
+
+
+class FloatProjections:
+    """float32 weights, as the source holds them (after dequantization, for a GGUF)."""
+
+    def __init__(self) -> None:
+        self.forms: dict[str, str] = {}
+
+    def linear(self, b, x: str, source: str, name: str) -> str:
+        weight = b.tensors.get(source)
+        return b.op("MatMul", x, b.weight(f"{name}.weight_t", np.ascontiguousarray(weight.T)))
+
+    def head(self, b, x: str, source: str, table: str | None) -> str:
+        """Logits [B, n, vocab] from the last hidden states: Gemm(transB) over the [vocab,
+        hidden] table (the embedding's own initializer, `table`, when the model ties them)."""
+        if table is None:
+            table = b.weight_bands("lm_head.weight", source)
+        hidden, vocab = b.tensors.config.hidden_size, b.tensors.shape(source)[0]
+        flat = b.op("Reshape", x, b.const([-1, hidden]))
+        logits = b.op("Gemm", flat, table, transB=1)
+        return b.op("Reshape", logits, b.op("Concat", b.batch, b.const([-1, vocab]), axis=0))
+
+
+class QuantizedProjections(FloatProjections):
+    """int8/int4 MatMulNBits, symmetric, weight-only; the head gets its own quantized copy (a
+    tied model's embedding stays float32 for the Gather)."""
+
+    def __init__(self, bits: int, block_size: int, accuracy_level: int) -> None:
+        super().__init__()
+        self.bits, self.block_size, self.accuracy_level = bits, block_size, accuracy_level
+
+    def linear(self, b, x: str, source: str, name: str) -> str:
+        return self.quantized(b, x, source, name)
+
+    def head(self, b, x: str, source: str, table: str | None) -> str:
+        return self.linear(b, x, source, "lm_head")
+
+    def quantized(self, b, x: str, source: str, name: str) -> str:
+        outputs, inputs = b.tensors.shape(source)
+        bands = ((start, self._quantize(rows)) for start, rows in b.tensors.bands(source))
+        packed, scales = _split_bands(b, bands, f"{name}.weight_t_Q{self.bits}")
+        return b.op(
+            "MatMulNBits",
+            x,
+            packed,
+            scales,
+            domain="com.microsoft",
+            K=inputs,
+            N=outputs,
+            bits=self.bits,
+            block_size=self.block_size,
+            accuracy_level=self.accuracy_level,
+        )
+
+    def _quantize(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """[n outputs, K] float32 -> (packed uint8 [n, K/block, bytes], scales [n, K/block]);
+        the quantizer pads K up to whole blocks, as MatMulNBits expects."""
+        from onnxruntime.quantization.matmul_nbits_quantizer import (
+            DefaultWeightOnlyQuantConfig,
+            DefaultWeightOnlyQuantizer,
+        )
+
+        config = DefaultWeightOnlyQuantConfig(
+            block_size=self.block_size, is_symmetric=True, bits=self.bits
+        )
+        packed, scales, _ = DefaultWeightOnlyQuantizer(config).qbits_block_quant(
+            np.ascontiguousarray(rows.T)
+        )
+        return packed, scales
+
+
+class GgufProjections(QuantizedProjections):
+    """The GGUF file's own blocks where they have an exact form; int4 where they do not."""
+
+    def __init__(self, block_size: int, accuracy_level: int) -> None:
+        super().__init__(4, block_size, accuracy_level)
+        self.sums: dict[str, str] = {}  # x -> its sums over each 32 inputs (q/k/v share one)
+
+    def linear(self, b, x: str, source: str, name: str) -> str:
+        kind = b.tensors.kind(source)
+        key = f"{name}.weight_t"
+        if kind in FLOAT_KINDS:
+            self.forms[key] = f"{kind} kept as float32"
+            return FloatProjections.linear(self, b, x, source, name)
+        if b.tensors.blocks(source, slice(0, 1)) is None:
+            self.forms[key] = f"{kind} re-quantized to int4 (no exact form)"
+            return self.quantized(b, x, source, name)
+        return self._blocks(b, x, source, name)
+
+    def _blocks(self, b, x: str, source: str, name: str) -> str:
+        outputs, inputs = b.tensors.shape(source)
+        offsets: list[np.ndarray] = []
+        first: list[Blocks] = []
+
+        def bands():
+            for start, rows in b.tensors.bands(source):
+                blocks = b.tensors.blocks(source, slice(start, start + len(rows)))
+                _check_exact(blocks, rows, source)
+                first[:] = first or [blocks]
+                if blocks.offsets is not None:
+                    offsets.append(blocks.offsets)
+                yield start, (blocks.packed(), blocks.scales)
+
+        base = f"gguf.{name}.weight_t"
+        packed, scales = _split_bands(b, bands(), f"{base}.B")
+        form = first[0]
+        self.forms[f"{name}.weight_t"] = form.form
+        product = b.op(
+            "MatMulNBits",
+            x,
+            packed,
+            scales,
+            domain="com.microsoft",
+            K=inputs,
+            N=outputs,
+            bits=form.bits,
+            block_size=form.block_size,
+            accuracy_level=self.accuracy_level,
+        )
+        if not offsets:
+            return product
+        table = b.weight(f"{base}.offsets", np.hstack(offsets))  # [K/32, N]
+        shift = b.op("MatMul", self._sums(b, x, inputs), table)
+        return b.op("Sub", product, shift)
+
+    def _sums(self, b, x: str, inputs: int) -> str:
+        """[..., K] -> sums over each 32 inputs [..., K/32], whatever the rank; once per x."""
+        if x not in self.sums:
+            lead = b.op("Shape", x, end=-1)
+            shape = b.op("Concat", lead, b.const([inputs // SUMS_BLOCK, SUMS_BLOCK]), axis=0)
+            grouped = b.op("Reshape", x, shape)
+            self.sums[x] = b.op("ReduceSum", grouped, b.const([-1]), keepdims=0)
+        return self.sums[x]
+
+
+def _split_bands(b, bands, name: str) -> tuple[str, str]:
+    """Write (start, (packed, scales)) bands as MatMulNBits' two initializers, `name` (packed
+    uint8 [N, blocks, bytes]) and `name.scales` (float32 [N * blocks]): the packed bands stream
+    to the side file, the scales (an eighth of the packed bytes at most) are written after."""
+    scales: list[np.ndarray] = []
+
+    def packed_bands():
+        for _, (packed, band_scales) in bands:
+            scales.append(np.asarray(band_scales, np.float32).reshape(-1))
+            yield packed
+
+    packed = b.weight_from_bands(name, packed_bands())
+    return packed, b.weight(f"{name}.scales", np.concatenate(scales))
+
+
+def _check_exact(blocks: Blocks, want: np.ndarray, name: str) -> None:
+    """want is the source's float32 rows [n, K]; the blocks must reproduce them."""
+    if blocks.values.shape != want.shape:
+        raise SpecrtError(f"GGUF {name}: blocks of shape {blocks.values.shape}, rows {want.shape}")
+    error = float(np.abs(blocks.dequantize() - want).max())
+    bound = EXACT_RELATIVE_TOLERANCE * max(1.0, float(np.abs(want).max()))
+    if error > bound:
+        raise SpecrtError(
+            f"GGUF {name} ({blocks.kind}): its blocks differ from the file's dequantized weight "
+            f"by {error:.3g} (bound {bound:.3g}); refusing to call the result exact"
+        )
+
+
+def projections_for(precision: Precision) -> FloatProjections:
+    """How a graph at this precision writes its weights (fp16 is written as float32 first)."""
+    if precision.weights == "gguf":
+        return GgufProjections(precision.block_size, precision.accuracy_level)
+    if precision.weights in ("int8", "int4"):
+        bits = 8 if precision.weights == "int8" else 4
+        return QuantizedProjections(bits, precision.block_size, precision.accuracy_level)
+    return FloatProjections()

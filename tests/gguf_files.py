@@ -12,23 +12,10 @@ from pathlib import Path
 
 import numpy as np
 
-from specrt.exporter.gguf_blocks import K_TYPE_SIZES, TYPE_SIZES
 from specrt.exporter.tiny import train_tokenizer
+from specrt.synthetic import random_blocks
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2
-# Where each type keeps its f16 scale(s), and the largest |integer factor| it multiplies.
-SCALE_AT = {
-    "Q4_0": ([0], 8),
-    "Q4_1": ([0, 2], 15),
-    "Q5_0": ([0], 16),
-    "Q5_1": ([0, 2], 31),
-    "Q8_0": ([0], 128),
-    "Q4_K": ([0, 2], 63 * 15),
-    "Q5_K": ([0, 2], 63 * 31),
-    "Q6_K": ([208], 128 * 32),
-    "Q2_K": ([80, 82], 15 * 3),  # no exact form: the build re-quantizes it
-}
-SIZES = {**TYPE_SIZES, **K_TYPE_SIZES, "Q2_K": 84}
 # Per projection: the registry's target holds Q4_K and Q6_K, its draft Q5_0, Q8_0, Q6_K, Q4_K.
 TYPES = {
     "attn_q": "Q4_K",
@@ -41,18 +28,6 @@ TYPES = {
     "output": "Q6_K",
     "token_embd": "Q5_1",
 }
-
-
-def random_blocks(kind: str, rows: int, inputs: int, rng, magnitude: float = 0.1) -> np.ndarray:
-    """uint8 [rows, row bytes] of valid blocks whose weights stay within about magnitude."""
-    size = SIZES[kind]
-    per = 32 if kind in TYPE_SIZES else 256
-    raw = rng.integers(0, 256, (rows, inputs // per, size), dtype=np.uint8)
-    positions, factor = SCALE_AT[kind]
-    for at in positions:
-        d = rng.uniform(0.5, 1.0, (rows, inputs // per, 1)) * magnitude / factor
-        raw[..., at : at + 2] = d.astype(np.float16).view(np.uint8)
-    return raw.reshape(rows, -1)
 
 
 def write_tiny_gguf(path: Path, arch: str = "qwen2", seed: int = 0, types=None) -> Path:

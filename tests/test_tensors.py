@@ -6,12 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from click.testing import CliRunner
 from gguf_files import write_tiny_gguf
 
 import specrt.exporter.check as check
 import specrt.exporter.graph as graph
 import specrt.exporter.tensors as tensors
 from specrt.bundle import Bundle
+from specrt.cli import cli
 from specrt.errors import SpecrtError
 from specrt.exporter.build import build_bundle
 from specrt.exporter.tensors import Subset, open_weights
@@ -85,6 +87,8 @@ def test_a_subset_check_covers_first_and_last_layers(pairs, tmp_path, small_chec
     assert record["checked_layers"][-1] == layers - 1 and len(record["checked_layers"]) < layers
     assert record["checked_vocabulary"] < role.dim("vocab_size")
     assert record["max_abs_logit_diff"] <= record["tolerance"]
+    shown = CliRunner().invoke(cli, ["inspect", str(out)])
+    assert f"target: max|dlogit| on layers {record['checked_layers']} of {layers}" in shown.output
 
 
 def test_a_subset_check_refuses_a_wrong_graph(pairs, tmp_path, small_check, monkeypatch):

@@ -42,8 +42,23 @@ def bundle_lines(bundle: Bundle) -> list[str]:
             f"{info['source']['spec']}"
         )
         files += len(info["files"])
+    for name in bundle.roles:
+        lines += _checked_part(name, m["roles"][name])
     lines.append(f"files        {files} verified against their sha256")
     return lines
+
+
+def _checked_part(name: str, info: dict) -> list[str]:
+    """Where the export check ran on a part of the model (bounded memory), which part."""
+    check, shape = info["export_check"], info["shape"]
+    layers = check.get("checked_layers")
+    vocabulary = check.get("checked_vocabulary", shape["vocab_size"])
+    if layers is None or (len(layers) == shape["num_layers"] and vocabulary == shape["vocab_size"]):
+        return []
+    return [
+        f"{'checked':12} {name}: max|dlogit| on layers {layers} of {shape['num_layers']}, "
+        f"{vocabulary} of {shape['vocab_size']} token ids (`specrt eval` scores the whole model)"
+    ]
 
 
 def precision_lines(bundle: Bundle) -> list[str]:

@@ -14,6 +14,7 @@ from specrt.bundle import MANIFEST, Bundle
 from specrt.errors import BundleError, SpecrtError
 from specrt.exporter.build import build_bundle
 from specrt.exporter.tiny import make_tiny_pair
+from specrt.runtime.api import SpeculativeRuntime
 
 
 def _edit_manifest(bundle: Path, change) -> None:
@@ -58,10 +59,37 @@ def test_unknown_format_version_is_refused(bundle_copy):
         Bundle.load(bundle_copy)
 
 
-def test_vocabulary_mismatch_is_refused_on_load(bundle_copy):
-    _edit_manifest(bundle_copy, lambda m: m["roles"]["draft"]["shape"].update(vocab_size=500))
-    with pytest.raises(BundleError, match="vocabularies differ: draft has 500 logits"):
+def test_logits_short_of_the_tokenizer_are_refused_on_load(bundle_copy):
+    _edit_manifest(bundle_copy, lambda m: m["roles"]["draft"]["shape"].update(vocab_size=200))
+    with pytest.raises(BundleError, match="vocabularies differ: draft has 200 logits"):
         Bundle.load(bundle_copy)
+
+
+def test_a_pair_padded_differently_is_exact(pairs, tmp_path):
+    """Logits padded past the shared tokenizer's ids, by 16 in the target and not in the draft
+    (as Qwen2.5 7B's 152,064 against 0.5B's 151,936): the pair builds, and greedy speculation
+    is the target alone's output."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    draft, target = pairs["qwen2"]
+    padded = tmp_path / "padded_target"
+    model = AutoModelForCausalLM.from_pretrained(target)
+    ids = model.config.vocab_size
+    model.resize_token_embeddings(ids + 16, mean_resizing=False)
+    with torch.no_grad():  # padding rows as real checkpoints hold them: never chosen
+        model.get_output_embeddings().weight[ids:] = 0.0
+        model.get_input_embeddings().weight[ids:] = 0.0
+    model.save_pretrained(padded)
+    AutoTokenizer.from_pretrained(target).save_pretrained(padded)
+    out = build_bundle(str(draft), str(padded), tmp_path / "b", max_context=256, log=lambda _: 0)
+    bundle = Bundle.load(out)
+    assert bundle.role("target").dim("vocab_size") == bundle.role("draft").dim("vocab_size") + 16
+    rt = SpeculativeRuntime.load(out, threads=1)
+    for prompt in ("def fibonacci(n):", "The quick brown fox"):
+        alone = rt.generate(prompt, max_new_tokens=24, speculate=False, ignore_eos=True)
+        spec = rt.generate(prompt, max_new_tokens=24, controller="fixed:3", ignore_eos=True)
+        assert spec.token_ids == alone.token_ids and spec.stats.accepted > 0
 
 
 def test_not_a_bundle(tmp_path):

@@ -17,6 +17,7 @@ import itertools
 
 import numpy as np
 import pytest
+import torch
 from scipy.stats import chisquare
 
 import specrt.runtime.acceptance as acceptance
@@ -44,12 +45,17 @@ PARAMS = {
 }
 
 
-def _engine(folder, out, head_scale: float = 1.0) -> OrtEngine:
-    """An engine over a tiny model; head_scale < 1 softens its distribution (same ranking)."""
+def _engine(folder, out, head_scale: float = 1.0, vocab: int = VOCAB) -> OrtEngine:
+    """An engine over a tiny model; head_scale < 1 softens its distribution (same ranking).
+    vocab other than VOCAB pads its logits (new rows from the seed) or cuts them short, as real
+    pairs' logits are padded differently past their shared tokenizer's ids."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     model.lm_head.weight.data *= head_scale
+    if vocab != VOCAB:
+        torch.manual_seed(1)
+        model.resize_token_embeddings(vocab, mean_resizing=False)
     scaled = out.with_name(f"{out.name}-model")
     model.save_pretrained(scaled)
     out.mkdir()
@@ -59,7 +65,7 @@ def _engine(folder, out, head_scale: float = 1.0) -> OrtEngine:
         num_layers=shape.num_layers,
         num_kv_heads=shape.num_kv_heads,
         head_dim=shape.head_dim,
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         capacity=CAPACITY,
         margin=CACHE_MARGIN,
         slots=2,
@@ -77,6 +83,8 @@ def engines(tmp_path_factory):
         "target": _engine(target, root / "target_graph"),
         "good": _engine(target, root / "good_graph", head_scale=0.7),
         "bad": _engine(unrelated, root / "bad_graph"),
+        "padded": _engine(target, root / "padded_graph", head_scale=0.7, vocab=VOCAB + 3),
+        "short": _engine(target, root / "short_graph", head_scale=0.7, vocab=VOCAB - 2),
     }
 
 
@@ -138,6 +146,19 @@ def test_speculative_sampling_matches_the_target(engines, draft, setting):
     assert chi_square_p(counts, exact) > 1e-3
     # Both regimes really occur: a good draft is mostly accepted, a bad one mostly rejected.
     assert acceptance_rate > 0.7 if draft == "good" else acceptance_rate < 0.55
+
+
+@pytest.mark.parametrize("draft", ["padded", "short"])
+def test_a_draft_with_other_logit_padding_stays_lossless(engines, draft):
+    """A draft with 3 logits past the target's (told the target's ids, it proposes none of
+    them) or 2 short of them (it never proposes those, and is fed a placeholder when the target
+    emits one) still gives the target's exact distribution."""
+    params = PARAMS["temperature"]
+    exact = exact_distribution(engines["target"], params)
+    counts, acceptance_rate = sample_counts(
+        ModelDrafter(engines[draft], ids=VOCAB), engines["target"], params, lambda: Fixed(2)
+    )
+    assert chi_square_p(counts, exact) > 1e-3 and acceptance_rate > 0.3
 
 
 def test_adaptive_early_stopping_stays_lossless(engines):

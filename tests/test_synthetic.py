@@ -41,7 +41,7 @@ def synthetic(tmp_path_factory) -> dict:
         "max_position_embeddings": 1024,
     }
     made = synthesize("small", root / "out", tokenizer=str(tokenizer), config=config, log=_quiet)
-    return {"config": config, **made}
+    return {"config": config, "tokenizer": tokenizer, **made}
 
 
 def test_the_folder_is_what_transformers_loads(synthetic):
@@ -90,6 +90,27 @@ def test_a_synthetic_target_builds_and_runs(synthetic, tmp_path, form, precision
     alone = rt.generate(prompt, max_new_tokens=12, ignore_eos=True, speculate=False)
     speculated = rt.generate(prompt, max_new_tokens=12, ignore_eos=True)
     assert speculated.token_ids == alone.token_ids
+
+
+def test_a_gguf_pair_padded_differently_is_exact(synthetic, tmp_path):
+    """The synthetic file lists 16 `[PAD<id>]` placeholders past its tokenizer's ids, as
+    llama.cpp's converter writes them; the tiny GGUF (the draft) lists none. One tokenizer all
+    the same: the pair builds, and greedy speculation is the target alone's output."""
+    out = build_bundle(
+        str(synthetic["tokenizer"]), str(synthetic["gguf"]), tmp_path / "b",
+        precision={"target": Precision("gguf")}, max_context=256, log=_quiet,
+    )  # fmt: skip
+    bundle = Bundle.load(out)
+    assert bundle.role("target").dim("vocab_size") == bundle.role("draft").dim("vocab_size") + 16
+    listed = [
+        len(load_tokenizer(Source.parse(str(synthetic[k]))).get_vocab())
+        for k in ("gguf", "tokenizer")
+    ]
+    assert listed[0] == listed[1] + 16  # the placeholders are in the file: the rule is needed
+    rt = SpeculativeRuntime.load(out, threads=1)
+    prompt = rt.encode("The quick brown fox")
+    alone = rt.generate(prompt, max_new_tokens=16, ignore_eos=True, speculate=False)
+    assert rt.generate(prompt, max_new_tokens=16, ignore_eos=True).token_ids == alone.token_ids
 
 
 def test_an_unknown_name_is_refused(tmp_path):

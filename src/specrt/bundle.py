@@ -146,10 +146,12 @@ def check_pair(manifest: dict) -> None:
         return
     draft, target = manifest["roles"]["draft"], manifest["roles"]["target"]
     dv, tv = draft["shape"]["vocab_size"], target["shape"]["vocab_size"]
-    if dv != tv:
+    ids = target.get("tokenizer_ids", tv)  # bundles before padded pairs: logits must match
+    if dv != tv and min(dv, tv) < ids:
         raise BundleError(
-            f"draft and target vocabularies differ: draft has {dv} logits, "
-            f"target has {tv}; speculation needs one shared vocabulary"
+            f"draft and target vocabularies differ: draft has {dv} logits, target has {tv}, "
+            f"and their tokenizer has {ids} ids; logits may be padded past the tokenizer's ids, "
+            "not fall short of them"
         )
     if draft["tokenizer_sha256"] != target["tokenizer_sha256"]:
         raise BundleError(

@@ -52,9 +52,17 @@ class _Plan:
     log: Log
 
 
-def vocabulary_digest(tokenizer) -> str:
-    """Identity of a tokenizer's vocabulary (token -> id, added tokens included)."""
+def real_vocabulary(tokenizer) -> list[tuple[str, int]]:
+    """(token, id) of a tokenizer, added tokens included, without the `[PAD<id>]` placeholders
+    llama.cpp's converter appends to reach a model's padded logit count: Qwen2.5 0.5B's GGUF
+    lists 151,936 tokens and 7B's 152,064 for one tokenizer of 151,665."""
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    return [(token, i) for token, i in vocab if token != f"[PAD{i}]"]
+
+
+def vocabulary_digest(tokenizer) -> str:
+    """Identity of a tokenizer's vocabulary (see real_vocabulary)."""
+    vocab = real_vocabulary(tokenizer)
     return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
 
 
@@ -241,6 +249,7 @@ def _export_role(
         "graph": "model.onnx",
         "precision": {**precision.as_dict(), **record},
         "tokenizer_sha256": digest,
+        "tokenizer_ids": 1 + max(i for _, i in real_vocabulary(tokenizer)),
         "export_check": check,
         "export_seconds": round(time.perf_counter() - started, 2),
         "files": hash_tree(folder),

@@ -31,6 +31,15 @@ def residual(p: np.ndarray, q: np.ndarray) -> np.ndarray:
     return left / total if total > 0 else p
 
 
+def _same_ids(p: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A draft and a target whose logits are padded differently past the tokenizer's ids: both
+    distributions over the union of ids, each zero where its model has no logit. Rejection
+    sampling over that union is exact as ever: an id the target lacks has p = 0, so a draft of
+    it is always rejected."""
+    size = max(len(p), len(q))
+    return np.pad(p, (0, size - len(p))), np.pad(q, (0, size - len(q)))
+
+
 def verify_sampled(
     drafts: Sequence[int],
     draft_probs: Sequence[np.ndarray | None],
@@ -50,6 +59,8 @@ def verify_sampled(
         if q is None:
             q = np.zeros_like(p)
             q[token] = 1.0
+        elif len(q) != len(p):
+            p, q = _same_ids(p, q)
         if rng.random() * q[token] < p[token]:  # u < p/q without dividing by q
             continue
         return i, sample(residual(p, q), rng)

@@ -155,7 +155,8 @@ class SpeculativeRuntime:
         policy = make_controller(
             spec, bundle.max_draft, self.costs, bounds=bounds, k_lookup=bundle.max_lookup
         )
-        source = make_drafter(drafter or self.drafter, self.draft) if speculate else None
+        ids = self.target.vocab_size
+        source = make_drafter(drafter or self.drafter, self.draft, ids) if speculate else None
         if prediction is not None:
             predicted = self._predicted(prediction, source)  # checked even when not speculating
             source = predicted if speculate else None

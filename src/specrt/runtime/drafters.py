@@ -87,8 +87,13 @@ class ModelDrafter:
 
     name = "model"
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, ids: int | None = None):
+        """ids: how many token ids the target has logits for, where the two models' logits are
+        padded differently past their tokenizer's ids (Qwen2.5 0.5B: 151,936; 7B: 152,064).
+        The draft proposes among the ids both have, and is fed a placeholder of its own for a
+        token past its logits (a target's padding id: it only moves the next proposals)."""
         self.engine, self.slot = engine, 0
+        self.ids = min(engine.vocab_size, ids or engine.vocab_size)
         self.model = self
 
     def start(self, prompt: Sequence[int], slot: int) -> None:
@@ -119,10 +124,11 @@ def draft_together(
     per step. A request whose draft is done (k tokens, or the draft is unsure: verifying now
     beats drafting on) sits out the remaining steps. Also returns the seconds spent catching
     up first (a prompt, rounds served by a lookup or at K = 0), which are not draft steps."""
-    engine = drafters[0].engine
+    engine, ids = drafters[0].engine, drafters[0].ids
+    last = engine.vocab_size - 1
     proposals = [Proposal() for _ in drafters]
     feeds = {
-        i: list(seq[d.engine.lengths[d.slot] :])
+        i: [min(token, last) for token in seq[d.engine.lengths[d.slot] :]]
         for i, (d, seq) in enumerate(zip(drafters, seqs, strict=True))
     }
     start = time.perf_counter()
@@ -134,7 +140,7 @@ def draft_together(
     while feeds:
         rows = engine.forward_rows([(drafters[i].slot, feed) for i, feed in feeds.items()], last=1)
         for i, logits in zip(list(feeds), rows, strict=True):
-            token, probs, confidence = draw(logits[0], params[i], rngs[i], thresholds[i])
+            token, probs, confidence = draw(logits[0, :ids], params[i], rngs[i], thresholds[i])
             proposal = proposals[i]
             if proposal.tokens and confidence < thresholds[i]:
                 del feeds[i]
@@ -225,7 +231,7 @@ class HybridDrafter:
         self.model.rollback(length)
 
 
-def make_drafter(name, draft: Engine | None) -> Drafter:
+def make_drafter(name, draft: Engine | None, ids: int | None = None) -> Drafter:
     """`model`, `ngram` or `hybrid` over the bundle's draft engine (None: target-only).
 
     Anything else is taken as a drafter already (with `start`, `offer`, `propose`,
@@ -244,5 +250,5 @@ def make_drafter(name, draft: Engine | None) -> Drafter:
             "--draft); use the ngram drafter",
             param="drafter",
         )
-    model = ModelDrafter(draft)
+    model = ModelDrafter(draft, ids)
     return model if name == "model" else HybridDrafter(model, NgramDrafter())

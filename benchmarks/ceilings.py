@@ -18,7 +18,7 @@ import click
 
 from specrt import machine
 from specrt.bench import padding_lines, row_padding
-from specrt.files import write_bytes_atomic, write_json_atomic
+from specrt.files import write_result
 from specrt.runtime import SpeculativeRuntime
 from specrt.runtime.controller import price_round
 from specrt.runtime.costs import StepCosts
@@ -102,11 +102,8 @@ def main(bundle: Path, batches: str, alphas: str, out: Path | None) -> None:
         raise click.UsageError(f"{bundle} has no draft model: nothing to price drafts by")
     command = f"python benchmarks/ceilings.py {bundle.name} --batch {batches} --alpha {alphas}"
     result = report(rt, command, sizes, rates)
-    text = markdown(result)
-    click.echo(text)
-    if out:
-        write_bytes_atomic(out, text.encode())
-        write_json_atomic(out.with_suffix(".json"), result)
+    click.echo(text := markdown(result))
+    write_result(out, result, text)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from pathlib import Path
 import click
 
 from specrt import machine
-from specrt.files import write_bytes_atomic, write_json_atomic
+from specrt.files import write_result
 
 
 def _role_quality(evals: list[dict]) -> dict[tuple[str, str], dict]:
@@ -107,8 +107,7 @@ def main(bench_path: Path, eval_paths: tuple[Path, ...], out: Path) -> None:
         e["precisions"] = {r: manifest["roles"][r]["precision"]["weights"] for r in e["roles"]}
         evals.append(e)
     result = combine(bench, evals)
-    write_json_atomic(out.with_suffix(".json"), result)
-    write_bytes_atomic(out.with_suffix(".md"), markdown(result).encode())
+    write_result(out, result, markdown(result))
     click.echo(markdown(result))
 
 

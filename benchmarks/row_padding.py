@@ -22,7 +22,7 @@ from specrt import machine
 from specrt.bench import load_prompts, padding_lines, row_padding
 from specrt.bundle import Bundle
 from specrt.engines import load_engine
-from specrt.files import write_bytes_atomic, write_json_atomic
+from specrt.files import write_result
 from specrt.runtime import SpeculativeRuntime
 
 PROMPTS = [Path("benchmarks/prompts") / f"{name}.jsonl" for name in ("chat", "code")]
@@ -113,11 +113,8 @@ def main(bundles: tuple[Path, ...], max_new_tokens: int, count: int, out: Path |
             for path in bundles
         },
     }
-    text = markdown(result)
-    click.echo(text)
-    if out:
-        write_json_atomic(out.with_suffix(".json"), result)
-        write_bytes_atomic(out.with_suffix(".md"), text.encode())
+    click.echo(text := markdown(result))
+    write_result(out, result, text)
 
 
 if __name__ == "__main__":

@@ -111,3 +111,12 @@ def specrt_home() -> Path:
     if "SPECRT_HOME" in os.environ:
         return Path(os.environ["SPECRT_HOME"]).expanduser()
     return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "specrt"
+
+
+def write_result(out: Path | None, result: dict, text: str) -> None:
+    """A benchmark's result as OUT.json (the record) and OUT.md (what people read), atomically;
+    nothing where out is None (the figures were only printed)."""
+    if out is None:
+        return
+    write_json_atomic(out.with_suffix(".json"), result)
+    write_bytes_atomic(out.with_suffix(".md"), text.encode())

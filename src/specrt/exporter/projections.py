@@ -66,18 +66,8 @@ class QuantizedProjections(FloatProjections):
         outputs, inputs = b.tensors.shape(source)
         bands = ((start, self._quantize(rows)) for start, rows in b.tensors.bands(source))
         packed, scales = _split_bands(b, bands, f"{name}.weight_t_Q{self.bits}")
-        return b.op(
-            "MatMulNBits",
-            x,
-            packed,
-            scales,
-            domain="com.microsoft",
-            K=inputs,
-            N=outputs,
-            bits=self.bits,
-            block_size=self.block_size,
-            accuracy_level=self.accuracy_level,
-        )
+        shape = (inputs, outputs, self.bits, self.block_size)
+        return _matmul_nbits(b, x, packed, scales, shape, self.accuracy_level)
 
     def _quantize(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """[n outputs, K] float32 -> (packed uint8 [n, K/block, bytes], scales [n, K/block]);
@@ -132,18 +122,8 @@ class GgufProjections(QuantizedProjections):
         packed, scales = _split_bands(b, bands(), f"{base}.B")
         form = first[0]
         self.forms[f"{name}.weight_t"] = form.form
-        product = b.op(
-            "MatMulNBits",
-            x,
-            packed,
-            scales,
-            domain="com.microsoft",
-            K=inputs,
-            N=outputs,
-            bits=form.bits,
-            block_size=form.block_size,
-            accuracy_level=self.accuracy_level,
-        )
+        shape = (inputs, outputs, form.bits, form.block_size)
+        product = _matmul_nbits(b, x, packed, scales, shape, self.accuracy_level)
         if not offsets:
             return product
         table = b.weight(f"{base}.offsets", np.hstack(offsets))  # [K/32, N]
@@ -158,6 +138,23 @@ class GgufProjections(QuantizedProjections):
             grouped = b.op("Reshape", x, shape)
             self.sums[x] = b.op("ReduceSum", grouped, b.const([-1]), keepdims=0)
         return self.sums[x]
+
+
+def _matmul_nbits(b, x: str, packed: str, scales: str, shape: tuple, level: int) -> str:
+    """x @ W for W in MatMulNBits blocks; shape is (K inputs, N outputs, bits, block size)."""
+    inputs, outputs, bits, block_size = shape
+    return b.op(
+        "MatMulNBits",
+        x,
+        packed,
+        scales,
+        domain="com.microsoft",
+        K=inputs,
+        N=outputs,
+        bits=bits,
+        block_size=block_size,
+        accuracy_level=level,
+    )
 
 
 def _split_bands(b, bands, name: str) -> tuple[str, str]:

@@ -124,7 +124,7 @@ def test_failed_build_leaves_nothing_behind(pairs, tmp_path):
     config.hidden_act = "gelu"
     config.save_pretrained(broken)
     out = tmp_path / "out"
-    with pytest.raises(SpecrtError, match="activation 'gelu' is not supported"):
+    with pytest.raises(SpecrtError, match="config.hidden_act 'gelu' is not supported"):
         build_bundle(str(draft), str(broken), out, max_context=128, log=lambda _: None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gelu_target"]
 

@@ -93,7 +93,7 @@ def test_a_subset_check_covers_first_and_last_layers(pairs, tmp_path, small_chec
 
 def test_a_subset_check_refuses_a_wrong_graph(pairs, tmp_path, small_check, monkeypatch):
     """The control: a graph without its rotary embedding fails the check on the subset too."""
-    monkeypatch.setattr(graph, "_rope", lambda b, x, cos, sin, half: x)
+    monkeypatch.setattr(graph, "_rope", lambda b, x, rotary: x)
     with pytest.raises(SpecrtError, match="differ from PyTorch"):
         build_bundle(None, str(pairs["llama"][1]), tmp_path / "b", log=_quiet)
     assert not (tmp_path / "b").exists()

@@ -273,7 +273,7 @@ def _check(role: str, tensors, ids, scratch: Path, precision: Precision, plan: _
         )
     )
     log(f"[{role}] checking the graph against PyTorch on {part}")
-    references = reference_logits(subset, subset_ids)
+    references = reference_logits(subset.as_stored(), subset_ids)
     scratch.mkdir(parents=True)
     try:
         (scratch / "fp32").mkdir()

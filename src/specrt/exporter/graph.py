@@ -1,4 +1,4 @@
-"""Write a decoder-only transformer (Llama / Qwen2 / Mistral family) as one ONNX graph.
+"""Write a decoder-only transformer (Llama 2/3, Qwen2, Qwen3, Mistral) as one ONNX graph.
 
 We emit the graph from the weights, as ONNX Runtime GenAI's model builder does, instead of tracing
 PyTorch: tracing fixes the cache layout that transformers happens to use, while speculation needs
@@ -29,7 +29,6 @@ vocabulary projection for every prompt position but the last.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -40,12 +39,12 @@ from onnx import TensorProto, helper, numpy_helper
 
 from specrt.errors import SpecrtError
 from specrt.exporter.external_data import ExternalData
+from specrt.exporter.families import Family, family_of
 from specrt.exporter.projections import FloatProjections
 from specrt.exporter.tensors import Tensors
 
 OPSET = 18
 IR_VERSION = 10  # what ONNX Runtime >= 1.18 and TensorRT 10 load
-SUPPORTED = ("llama", "qwen2", "mistral")
 
 
 @dataclass(frozen=True)
@@ -66,11 +65,8 @@ class ModelShape:
 
 def model_shape(config) -> ModelShape:
     """Check the config is one this builder handles, and extract its dimensions."""
+    family_of(config)  # refuses what no family writes, naming the config field
     arch = config.model_type
-    if arch not in SUPPORTED:
-        raise SpecrtError(f"architecture {arch!r} is not supported yet (supported: {SUPPORTED})")
-    if getattr(config, "hidden_act", "silu") != "silu":
-        raise SpecrtError(f"{arch}: activation {config.hidden_act!r} is not supported (silu only)")
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return ModelShape(
@@ -88,8 +84,9 @@ class _Builder:
     """Appends nodes and initializers; every op returns the name of its single output. It
     carries what every piece of the graph reads: the weights and how projections are written."""
 
-    def __init__(self, data: ExternalData, tensors: Tensors, projections):
+    def __init__(self, data: ExternalData, tensors: Tensors, projections, family: Family):
         self.data, self.tensors, self.projections = data, tensors, projections
+        self.family = family
         self.nodes: list = []
         self.initializers: list = []
         self.count = 0
@@ -132,21 +129,54 @@ def _rms_norm(b: _Builder, x: str, module: str, name: str, eps: float) -> str:
     """The Pow/ReduceMean/Add/Sqrt/Div/Mul pattern ONNX Runtime fuses into one kernel."""
     var = b.op("ReduceMean", b.op("Pow", x, b.const(2.0, np.float32)), b.const([-1]), keepdims=1)
     std = b.op("Sqrt", b.op("Add", var, b.const(eps, np.float32)))
-    scale = b.weight(f"{name}.weight", b.tensors.get(f"{module}.weight"))
+    weight = b.tensors.get(f"{module}.weight") + np.float32(b.family.norm_offset)
+    scale = b.weight(f"{name}.weight", weight)
     return b.op("Mul", b.op("Div", x, std), scale)
 
 
-def _rope(b: _Builder, x: str, cos: str, sin: str, half: int) -> str:
-    """x * cos + rotate_half(x) * sin, with rotate_half = concat(-x2, x1) over the head dim."""
-    x1 = b.op("Slice", x, b.const([0]), b.const([half]), b.const([3]))
-    x2 = b.op("Slice", x, b.const([half]), b.const([2 * half]), b.const([3]))
+@dataclass(frozen=True)
+class Rotary:
+    """Each new token's cos/sin rows ([B, 1, S, rotary]) and the dims they turn: all of a head,
+    or its first `rotary` dims where the config has a partial_rotary_factor (Phi-4-mini)."""
+
+    cos: str
+    sin: str
+    rotary: int
+    head_dim: int
+
+
+def _rope(b: _Builder, x: str, r: Rotary) -> str:
+    """x * cos + rotate_half(x) * sin over the rotary dims, rotate_half = concat(-x2, x1); the
+    rest of the head passes through."""
+    half, axis = r.rotary // 2, b.const([3])
+    turned = (
+        x if r.rotary == r.head_dim else b.op("Slice", x, b.const([0]), b.const([r.rotary]), axis)
+    )
+    x1 = b.op("Slice", turned, b.const([0]), b.const([half]), axis)
+    x2 = b.op("Slice", turned, b.const([half]), b.const([r.rotary]), axis)
     rotated = b.op("Concat", b.op("Neg", x2), x1, axis=3)
-    return b.op("Add", b.op("Mul", x, cos), b.op("Mul", rotated, sin))
+    out = b.op("Add", b.op("Mul", turned, r.cos), b.op("Mul", rotated, r.sin))
+    if r.rotary == r.head_dim:
+        return out
+    kept = b.op("Slice", x, b.const([r.rotary]), b.const([r.head_dim]), axis)
+    return b.op("Concat", out, kept, axis=3)
 
 
-def rope_tables(config, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+def rope_tables(
+    config, capacity: int, layer_type: str | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """cos/sin per position from the model's own rotary class, built from its config alone
     (no weights), so every rope scaling transformers knows is covered."""
+    parameters = getattr(config, "rope_parameters", None) or {}
+    original = parameters.get("original_max_position_embeddings") or getattr(
+        config, "original_max_position_embeddings", None
+    )
+    if parameters.get("rope_type") == "longrope" and original and capacity > original:
+        raise SpecrtError(
+            f"config.rope_parameters: longrope turns to its long factors for the whole sequence "
+            f"once it passes original_max_position_embeddings ({original}); a cache of "
+            f"{capacity} positions cannot hold both: build with a smaller --max-context"
+        )
     import importlib
 
     import torch
@@ -156,7 +186,9 @@ def rope_tables(config, capacity: int) -> tuple[np.ndarray, np.ndarray]:
     rotary = next(getattr(module, n) for n in dir(module) if n.endswith("RotaryEmbedding"))
     positions = torch.arange(capacity).unsqueeze(0)
     with torch.no_grad():
-        cos, sin = rotary(config=config)(torch.zeros(1, dtype=torch.float32), positions)
+        probe = torch.zeros(1, dtype=torch.float32)
+        by_type = {} if layer_type is None else {"layer_type": layer_type}
+        cos, sin = rotary(config=config)(probe, positions, **by_type)
     return cos[0].float().numpy(), sin[0].float().numpy()
 
 
@@ -172,7 +204,8 @@ def write_graph(tensors: Tensors, out_dir: Path, capacity: int, projections=None
     eps = float(config.rms_norm_eps)
     projections = projections or FloatProjections()
     with open(out_dir / "model.onnx.data", "wb") as handle:
-        b = _Builder(ExternalData(handle, "model.onnx.data"), tensors, projections)
+        family = family_of(config)
+        b = _Builder(ExternalData(handle, "model.onnx.data"), tensors, projections, family)
         # Shapes: S new tokens, T total (the longest row's past + new). Each row's token s sits
         # at position_ids[b, s], which is also its cache index (rows have their own lengths).
         ids_shape = b.op("Shape", "input_ids")
@@ -181,21 +214,17 @@ def write_graph(tensors: Tensors, out_dir: Path, capacity: int, projections=None
         total = b.op("Slice", b.op("Shape", "attention_mask"), b.const([1]), b.const([2]))
         k_pos = b.op("Range", b.const(0), b.op("Squeeze", total, b.const([0])), b.const(1))
 
-        # Additive mask [B, 1, 1, S, T]: key t is seen by a token at position p when t <= p
-        # (its row's own prefix and its earlier new tokens) and the attention mask allows it.
-        causal = b.op(
-            "LessOrEqual",
-            b.op("Unsqueeze", k_pos, b.const([0, 1])),
-            b.op("Unsqueeze", "position_ids", b.const([2])),
-        )
+        # Additive masks [B, 1, 1, S, T]: key t is seen by a token at position p when t <= p
+        # (its row's own prefix and its earlier new tokens) and the attention mask allows it;
+        # in a layer with a sliding window W, only when also t > p - W.
+        key_positions = b.op("Unsqueeze", k_pos, b.const([0, 1]))
+        causal = b.op("LessOrEqual", key_positions, b.op("Unsqueeze", "position_ids", b.const([2])))
         keep = b.op("Cast", b.op("Unsqueeze", "attention_mask", b.const([1])), to=TensorProto.BOOL)
-        allowed = b.op("Unsqueeze", b.op("And", causal, keep), b.const([1, 2]))
-        mask = b.op(
-            "Where",
-            allowed,
-            b.const(0.0, np.float32),
-            b.const(np.finfo(np.float32).min, np.float32),
-        )
+        allowed = b.op("And", causal, keep)
+        windows = layer_windows(config)
+        masks = {
+            w: _additive_mask(b, allowed, key_positions, w) for w in sorted(set(windows), key=str)
+        }
 
         # Where this call's keys/values go in the cache buffer: each token at its own position.
         kv_shape = b.op("Concat", batch, b.const([kv]), seq, b.const([hd]), axis=0)
@@ -203,30 +232,16 @@ def write_graph(tensors: Tensors, out_dir: Path, capacity: int, projections=None
         grouped_scores = b.op("Concat", batch, b.const([kv, rep]), seq, total, axis=0)
         flat_scores = b.op("Concat", batch, b.const([kv, -1]), total, axis=0)
 
-        cos_table, sin_table = rope_tables(config, capacity)
-        pos_cos = b.op("Gather", b.weight("rope.cos", cos_table), "position_ids")
-        pos_sin = b.op("Gather", b.weight("rope.sin", sin_table), "position_ids")
-        cos = b.op("Unsqueeze", pos_cos, b.const([1]))
-        sin = b.op("Unsqueeze", pos_sin, b.const([1]))
+        keys = [family.rope_key(i) for i in range(shape.num_layers)]
+        rotaries = {key: _rotary(b, config, capacity, key, hd) for key in dict.fromkeys(keys)}
+        attention = _Attention(scatter_at, total, grouped_scores, flat_scores, eps, rep)
 
         embed = b.weight_bands("embed_tokens.weight", "model.embed_tokens.weight")
         x = b.op("Gather", embed, "input_ids")
+        if family.embed_scale() is not None:
+            x = b.op("Mul", x, b.const(family.embed_scale(), np.float32))
         for i in range(shape.num_layers):
-            x = _decoder_layer(
-                b,
-                x,
-                i,
-                shape,
-                eps,
-                rep,
-                cos,
-                sin,
-                mask,
-                scatter_at,
-                total,
-                grouped_scores,
-                flat_scores,
-            )
+            x = _decoder_layer(b, x, i, shape, attention, rotaries[keys[i]], masks[windows[i]])
 
         # Only the last `logits_to_keep` positions reach the norm and the vocabulary projection.
         x = b.op(
@@ -239,7 +254,9 @@ def write_graph(tensors: Tensors, out_dir: Path, capacity: int, projections=None
         x = _rms_norm(b, x, "model.norm", "norm", eps)
         tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in tensors
         head = "model.embed_tokens.weight" if tied else "lm_head.weight"
-        logits = projections.head(b, x, head, embed if tied else None)
+        logits = _softcap(
+            b, projections.head(b, x, head, embed if tied else None), family.final_softcap()
+        )
         b.op("Identity", logits, out="logits")
 
     graph = helper.make_graph(
@@ -258,53 +275,134 @@ def write_graph(tensors: Tensors, out_dir: Path, capacity: int, projections=None
     return shape
 
 
+def layer_windows(config) -> list[int | None]:
+    """Each layer's sliding window (None: it sees its whole prefix), as transformers applies
+    them: per `layer_types` where the config lists them (Qwen2/Qwen3 with use_sliding_window),
+    else `sliding_window` on every layer (Mistral)."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types:
+        return [window if kind == "sliding_attention" else None for kind in types]
+    return [window] * config.num_hidden_layers
+
+
+def _head_norm(b: _Builder, x: str, module: str, name: str, eps: float) -> str:
+    """An RMSNorm of each query / key head before the rotary (Qwen3, Gemma 3), where the
+    weights have one."""
+    if f"{module}.weight" not in b.tensors:
+        return x
+    return _rms_norm(b, x, module, name, eps)
+
+
+def _additive_mask(b: _Builder, allowed: str, key_positions: str, window: int | None) -> str:
+    """0 where a key is seen, the float minimum where not, [B, 1, 1, S, T]."""
+    if window is not None:
+        oldest = b.op("Sub", b.op("Unsqueeze", "position_ids", b.const([2])), b.const(window))
+        allowed = b.op("And", allowed, b.op("Greater", key_positions, oldest))
+    return b.op(
+        "Where",
+        b.op("Unsqueeze", allowed, b.const([1, 2])),
+        b.const(0.0, np.float32),
+        b.const(np.finfo(np.float32).min, np.float32),
+    )
+
+
+@dataclass(frozen=True)
+class _Attention:
+    """What every layer's attention shares: where keys/values go, the call's total length, the
+    score shapes of grouped-query attention, the norms' epsilon, query heads per kv head."""
+
+    scatter_at: str
+    total: str
+    grouped_scores: str
+    flat_scores: str
+    eps: float
+    rep: int
+
+
 def _decoder_layer(
-    b, x, i, shape, eps, rep, cos, sin, mask, scatter_at, total, grouped_scores, flat_scores
+    b: _Builder, x: str, i: int, shape: ModelShape, a: _Attention, rotary: Rotary, mask: str
+) -> str:
+    """One block: x + attention(norm(x)), then x + mlp(norm(x)); a sandwich family (Gemma)
+    also norms each block's output before adding it."""
+    source, prefix = f"model.layers.{i}", f"layers.{i}"
+
+    def norm(h: str, name: str) -> str:
+        return _rms_norm(b, h, f"{source}.{name}", f"{prefix}.{name}", a.eps)
+
+    h = _self_attention(b, norm(x, "input_layernorm"), i, shape, a, rotary, mask)
+    if b.family.sandwich:
+        x = b.op("Add", x, norm(h, "post_attention_layernorm"))
+        h = _mlp(b, norm(x, "pre_feedforward_layernorm"), source, prefix)
+        return b.op("Add", x, norm(h, "post_feedforward_layernorm"))
+    x = b.op("Add", x, h)
+    return b.op("Add", x, _mlp(b, norm(x, "post_attention_layernorm"), source, prefix))
+
+
+def _self_attention(
+    b: _Builder, h: str, i: int, shape: ModelShape, a: _Attention, rotary: Rotary, mask: str
 ) -> str:
     heads, kv, hd = shape.num_heads, shape.num_kv_heads, shape.head_dim
-    source, prefix = f"model.layers.{i}", f"layers.{i}"
-    h = _rms_norm(b, x, f"{source}.input_layernorm", f"{prefix}.input_layernorm", eps)
+    source, prefix = f"model.layers.{i}.self_attn", f"layers.{i}.self_attn"
 
     def project(name, n_heads):  # [B, S, n*hd] -> [B, n, S, hd]
-        y = b.linear(h, f"{source}.self_attn.{name}", f"{prefix}.self_attn.{name}")
+        y = b.linear(h, f"{source}.{name}", f"{prefix}.{name}")
         return b.op(
             "Transpose", b.op("Reshape", y, b.const([0, 0, n_heads, hd])), perm=[0, 2, 1, 3]
         )
 
-    q = _rope(b, project("q_proj", heads), cos, sin, hd // 2)
-    k = _rope(b, project("k_proj", kv), cos, sin, hd // 2)
+    q = _head_norm(b, project("q_proj", heads), f"{source}.q_norm", f"{prefix}.q_norm", a.eps)
+    k = _head_norm(b, project("k_proj", kv), f"{source}.k_norm", f"{prefix}.k_norm", a.eps)
+    q, k = _rope(b, q, rotary), _rope(b, k, rotary)
     v = project("v_proj", kv)
+    at, axis = a.scatter_at, 2
     keys = b.op(
-        "ScatterElements", f"past_key_values.{i}.key", scatter_at, k, out=f"present.{i}.key", axis=2
+        "ScatterElements", f"past_key_values.{i}.key", at, k, out=f"present.{i}.key", axis=axis
     )
     values = b.op(
-        "ScatterElements",
-        f"past_key_values.{i}.value",
-        scatter_at,
-        v,
-        out=f"present.{i}.value",
-        axis=2,
+        "ScatterElements", f"past_key_values.{i}.value", at, v, out=f"present.{i}.value", axis=axis
     )
     first = b.const([0])
-    keys = b.op("Slice", keys, first, total, b.const([2]))
-    values = b.op("Slice", values, first, total, b.const([2]))
+    keys = b.op("Slice", keys, first, a.total, b.const([2]))
+    values = b.op("Slice", values, first, a.total, b.const([2]))
 
     # Grouped-query attention without repeating K/V: fold each group's query heads into rows.
-    q = b.op("Mul", q, b.const(1.0 / math.sqrt(hd), np.float32))
+    q = b.op("Mul", q, b.const(b.family.attention_scale(hd), np.float32))
     q = b.op("Reshape", q, b.const([0, kv, -1, hd]))
     scores = b.op("MatMul", q, b.op("Transpose", keys, perm=[0, 1, 3, 2]))
-    scores = b.op("Add", b.op("Reshape", scores, grouped_scores), mask)
-    probs = b.op("Reshape", b.op("Softmax", scores, axis=-1), flat_scores)
+    scores = _softcap(b, b.op("Reshape", scores, a.grouped_scores), b.family.attention_softcap())
+    scores = b.op("Add", scores, mask)
+    probs = b.op("Reshape", b.op("Softmax", scores, axis=-1), a.flat_scores)
     ctx = b.op("Reshape", b.op("MatMul", probs, values), b.const([0, heads, -1, hd]))
     ctx = b.op("Reshape", b.op("Transpose", ctx, perm=[0, 2, 1, 3]), b.const([0, 0, heads * hd]))
-    x = b.op("Add", x, b.linear(ctx, f"{source}.self_attn.o_proj", f"{prefix}.self_attn.o_proj"))
+    return b.linear(ctx, f"{source}.o_proj", f"{prefix}.o_proj")
 
-    post = "post_attention_layernorm"
-    h = _rms_norm(b, x, f"{source}.{post}", f"{prefix}.{post}", eps)
+
+def _mlp(b: _Builder, h: str, source: str, prefix: str) -> str:
+    """down(activation(gate(h)) * up(h)): SwiGLU, or GeGLU for Gemma."""
     gate = b.linear(h, f"{source}.mlp.gate_proj", f"{prefix}.mlp.gate_proj")
     up = b.linear(h, f"{source}.mlp.up_proj", f"{prefix}.mlp.up_proj")
-    act = b.op("Mul", b.op("Mul", gate, b.op("Sigmoid", gate)), up)
-    return b.op("Add", x, b.linear(act, f"{source}.mlp.down_proj", f"{prefix}.mlp.down_proj"))
+    act = b.op("Mul", b.family.activation(b, gate), up)
+    return b.linear(act, f"{source}.mlp.down_proj", f"{prefix}.mlp.down_proj")
+
+
+def _softcap(b: _Builder, x: str, cap: float | None) -> str:
+    """tanh(x / cap) * cap where the family caps (Gemma 2), x itself where not."""
+    if cap is None:
+        return x
+    scaled = b.op("Tanh", b.op("Div", x, b.const(cap, np.float32)))
+    return b.op("Mul", scaled, b.const(cap, np.float32))
+
+
+def _rotary(b: _Builder, config, capacity: int, key: str | None, head_dim: int) -> Rotary:
+    """One rotary table's cos/sin rows for this call's positions ([B, 1, S, rotary])."""
+    cos_table, sin_table = rope_tables(config, capacity, key)
+    suffix = "" if key is None else f".{key}"
+    pos_cos = b.op("Gather", b.weight(f"rope.cos{suffix}", cos_table), "position_ids")
+    pos_sin = b.op("Gather", b.weight(f"rope.sin{suffix}", sin_table), "position_ids")
+    cos = b.op("Unsqueeze", pos_cos, b.const([1]))
+    sin = b.op("Unsqueeze", pos_sin, b.const([1]))
+    return Rotary(cos, sin, cos_table.shape[-1], head_dim)
 
 
 def _inputs(shape: ModelShape) -> list:

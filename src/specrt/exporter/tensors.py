@@ -30,6 +30,8 @@ from specrt.sources import Source, load_config
 Index = slice | np.ndarray
 ROW_BAND = 4096  # rows converted at a time from a large tensor
 PERMUTED_GGUF = ("llama",)  # llama.cpp interleaves these models' q/k rows for its rotary kernel
+# llama.cpp stores these models' norm weights with Gemma's 1 added; transformers holds w itself.
+GGUF_NORM_SHIFT = {"gemma2": 1.0, "gemma3": 1.0}
 
 
 class Tensors:
@@ -67,6 +69,11 @@ class Tensors:
         """The file's own quantized blocks of some rows of a weight, where the source has them
         (None: a float tensor, or a type with no exact form)."""
         return None
+
+    def as_stored(self) -> Tensors:
+        """The tensors under the names the checkpoint stores (what transformers loads), for the
+        export check's reference: views that split or rename tensors return their base."""
+        return self
 
     def kind(self, name: str) -> str:
         """The stored type of a tensor (a GGUF type name, or the safetensors dtype)."""
@@ -153,13 +160,24 @@ class GgufFile(Tensors):
 
     @cached_property
     def _names(self) -> dict[str, str]:
-        """Hugging Face name -> GGUF name, for every tensor the file holds."""
-        stems = {self._map.get_name(hf): hf for hf in _hf_stems(self.config.num_hidden_layers)}
+        """Hugging Face name -> GGUF name, for every tensor the file holds. Some GGUF names
+        stand for two Hugging Face ones: the first in _hf_stems wins (up_proj over
+        gate_up_proj), and an ffn_up with no ffn_gate beside it is the fused gate_up (Phi-3)."""
+        stems: dict[str, str] = {}
+        for hf in _hf_stems(self.config.num_hidden_layers):
+            stems.setdefault(self._map.get_name(hf), hf)
         names = {}
         for gguf_name in self._tensors:
             stem, _, suffix = gguf_name.rpartition(".")
-            if stem in stems:
-                names[f"{stems[stem]}.{suffix}"] = gguf_name
+            if stem not in stems:
+                continue
+            hf = stems[stem]
+            if (
+                hf.endswith("mlp.up_proj")
+                and f"{stem[: -len('up')]}gate.{suffix}" not in self._tensors
+            ):
+                hf = hf.replace("mlp.up_proj", "mlp.gate_up_proj")
+            names[f"{hf}.{suffix}"] = gguf_name
         return names
 
     def names(self) -> list[str]:
@@ -219,7 +237,10 @@ class GgufFile(Tensors):
         from gguf.quants import dequantize
 
         values = dequantize(self._raw(name, index), self._tensor(name).tensor_type)
-        return np.ascontiguousarray(values, dtype=np.float32)
+        values = np.ascontiguousarray(values, dtype=np.float32)
+        if name.endswith("norm.weight") and self.architecture in GGUF_NORM_SHIFT:
+            values = values - np.float32(GGUF_NORM_SHIFT[self.architecture])
+        return values
 
     def blocks(self, name: str, index: Index) -> Blocks | None:
         kind = self.kind(name)
@@ -229,6 +250,8 @@ class GgufFile(Tensors):
 
 
 VOCAB_TABLES = ("model.embed_tokens.weight", "lm_head.weight")
+# Fused projections and the order of their parts' rows, as transformers splits them (Phi-3).
+FUSED = {"self_attn.qkv_proj": ("q", "k", "v"), "mlp.gate_up_proj": ("gate", "up")}
 LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)$")
 
 
@@ -288,13 +311,85 @@ class Subset(Tensors):
     def blocks(self, name: str, index: Index) -> Blocks | None:
         return self.base.blocks(self._names[name], self._index(name, index))
 
+    def as_stored(self) -> Tensors:
+        return Subset(self.base.as_stored(), self.layers, self.vocab)
+
+
+class Unfused(Tensors):
+    """A model that stores q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj` (Phi-3),
+    seen as the separate projections the graph writer reads: each is a band of the fused
+    tensor's rows ([q; k; v] and [gate; up], as transformers splits them)."""
+
+    def __init__(self, base: Tensors):
+        self.base, self.config = base, base.config
+        config = base.config
+        heads = config.num_attention_heads
+        kv = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        rows = {"q": heads * head_dim, "k": kv * head_dim, "v": kv * head_dim}
+        rows |= {"gate": config.intermediate_size, "up": config.intermediate_size}
+        self._parts: dict[str, tuple[str, int, int]] = {}  # name -> (fused name, start, rows)
+        for name in base.names():
+            stem, _, suffix = name.rpartition(".")
+            module, _, fused = stem.rpartition(".")
+            parent = module.rpartition(".")[2]
+            if f"{parent}.{fused}" not in FUSED:
+                continue
+            start = 0
+            for part in FUSED[f"{parent}.{fused}"]:
+                self._parts[f"{module}.{part}_proj.{suffix}"] = (name, start, rows[part])
+                start += rows[part]
+        fused = {fused for fused, _, _ in self._parts.values()}
+        self._names = [n for n in base.names() if n not in fused] + list(self._parts)
+
+    def __str__(self) -> str:
+        return str(self.base)
+
+    def names(self) -> list[str]:
+        return self._names
+
+    def _where(self, name: str, index: Index) -> tuple[str, Index]:
+        if name not in self._parts:
+            return name, index
+        fused, start, rows = self._parts[name]
+        picked = np.arange(start, start + rows)[index]
+        return fused, slice(int(picked[0]), int(picked[-1]) + 1) if _is_run(picked) else picked
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self._parts:
+            return self.base.shape(name)
+        fused, _, rows = self._parts[name]
+        return (rows, *self.base.shape(fused)[1:])
+
+    def kind(self, name: str) -> str:
+        return self.base.kind(self._parts.get(name, (name,))[0])
+
+    def rows(self, name: str, index: Index) -> np.ndarray:
+        return self.base.rows(*self._where(name, index))
+
+    def blocks(self, name: str, index: Index) -> Blocks | None:
+        return self.base.blocks(*self._where(name, index))
+
+    def as_stored(self) -> Tensors:
+        return self.base.as_stored()
+
+
+def _is_run(index: np.ndarray) -> bool:
+    return len(index) > 0 and bool((np.diff(index) == 1).all())
+
+
+def unfused(tensors: Tensors) -> Tensors:
+    """The tensors, with fused projections seen separately where the model has any."""
+    view = Unfused(tensors)
+    return view if view._parts else tensors
+
 
 def open_weights(source: Source) -> Tensors:
     """The model's weights as memory-mapped tensors: what a build reads, one tensor at a time.
     A hub id is fetched first (its config and safetensors)."""
     config = load_config(source)
     if source.kind == "gguf":
-        return GgufFile(Path(source.spec), config)
+        return unfused(GgufFile(Path(source.spec), config))
     folder = source.spec
     if source.kind == "hub":
         from huggingface_hub import snapshot_download
@@ -303,7 +398,7 @@ def open_weights(source: Source) -> Tensors:
             folder = snapshot_download(source.spec, allow_patterns=["*.json", "*.safetensors"])
         except Exception as err:  # the hub client raises many kinds: offline, gated, missing
             raise SpecrtError(f"cannot fetch {source.spec} from the hub: {err}") from err
-    return SafetensorsFolder(Path(folder), config)
+    return unfused(SafetensorsFolder(Path(folder), config))
 
 
 def _hf_stems(layers: int) -> list[str]:
@@ -318,6 +413,12 @@ def _hf_stems(layers: int) -> list[str]:
         "mlp.gate_proj",
         "mlp.up_proj",
         "mlp.down_proj",
+        "self_attn.qkv_proj",
+        "mlp.gate_up_proj",
+        "self_attn.q_norm",
+        "self_attn.k_norm",
+        "pre_feedforward_layernorm",
+        "post_feedforward_layernorm",
     ]
     stems = ["model.embed_tokens", "model.norm", "lm_head"]
     return stems + [f"model.layers.{i}.{part}" for i in range(layers) for part in per_layer]

@@ -19,6 +19,17 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 ARCHITECTURES = ("llama", "qwen2")
+# What every tiny model shares (tests of other families build theirs from it too).
+TINY_SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-6,
+    initializer_range=0.2,  # peaked distributions: greedy choices are not near-ties
+    bos_token_id=None,
+)
 
 
 def train_tokenizer(vocab_size: int = 384):
@@ -47,17 +58,7 @@ def _config(arch: str, vocab_size: int, layers: int, eos_ids: list[int]):
     from transformers import LlamaConfig, Qwen2Config
 
     common = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        rms_norm_eps=1e-6,
-        initializer_range=0.2,  # peaked distributions: greedy choices are not near-ties
-        eos_token_id=eos_ids,
-        bos_token_id=None,
+        **TINY_SHAPE, vocab_size=vocab_size, num_hidden_layers=layers, eos_token_id=eos_ids
     )
     if arch == "llama":
         return LlamaConfig(**common, tie_word_embeddings=False, rope_theta=10000.0)

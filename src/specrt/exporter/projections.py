@@ -64,7 +64,7 @@ class QuantizedProjections(FloatProjections):
 
     def quantized(self, b, x: str, source: str, name: str) -> str:
         outputs, inputs = b.tensors.shape(source)
-        bands = ((start, self._quantize(rows)) for start, rows in b.tensors.bands(source))
+        bands = (self._quantize(rows) for _, rows in b.tensors.bands(source))
         packed, scales = _split_bands(b, bands, f"{name}.weight_t_Q{self.bits}")
         shape = (inputs, outputs, self.bits, self.block_size)
         return _matmul_nbits(b, x, packed, scales, shape, self.accuracy_level)
@@ -99,29 +99,27 @@ class GgufProjections(QuantizedProjections):
         if kind in FLOAT_KINDS:
             self.forms[key] = f"{kind} kept as float32"
             return FloatProjections.linear(self, b, x, source, name)
-        if b.tensors.blocks(source, slice(0, 1)) is None:
+        form = b.tensors.blocks(source, slice(0, 1))  # the first row: the tensor's form
+        if form is None:
             self.forms[key] = f"{kind} re-quantized to int4 (no exact form)"
             return self.quantized(b, x, source, name)
-        return self._blocks(b, x, source, name)
+        self.forms[key] = form.form
+        return self._blocks(b, x, source, name, form)
 
-    def _blocks(self, b, x: str, source: str, name: str) -> str:
+    def _blocks(self, b, x: str, source: str, name: str, form: Blocks) -> str:
         outputs, inputs = b.tensors.shape(source)
         offsets: list[np.ndarray] = []
-        first: list[Blocks] = []
 
         def bands():
             for start, rows in b.tensors.bands(source):
                 blocks = b.tensors.blocks(source, slice(start, start + len(rows)))
                 _check_exact(blocks, rows, source)
-                first[:] = first or [blocks]
                 if blocks.offsets is not None:
                     offsets.append(blocks.offsets)
-                yield start, (blocks.packed(), blocks.scales)
+                yield blocks.packed(), blocks.scales
 
         base = f"gguf.{name}.weight_t"
         packed, scales = _split_bands(b, bands(), f"{base}.B")
-        form = first[0]
-        self.forms[f"{name}.weight_t"] = form.form
         shape = (inputs, outputs, form.bits, form.block_size)
         product = _matmul_nbits(b, x, packed, scales, shape, self.accuracy_level)
         if not offsets:
@@ -158,13 +156,13 @@ def _matmul_nbits(b, x: str, packed: str, scales: str, shape: tuple, level: int)
 
 
 def _split_bands(b, bands, name: str) -> tuple[str, str]:
-    """Write (start, (packed, scales)) bands as MatMulNBits' two initializers, `name` (packed
+    """Write (packed, scales) bands as MatMulNBits' two initializers, `name` (packed
     uint8 [N, blocks, bytes]) and `name.scales` (float32 [N * blocks]): the packed bands stream
     to the side file, the scales (an eighth of the packed bytes at most) are written after."""
     scales: list[np.ndarray] = []
 
     def packed_bands():
-        for _, (packed, band_scales) in bands:
+        for packed, band_scales in bands:
             scales.append(np.asarray(band_scales, np.float32).reshape(-1))
             yield packed
 

@@ -1,13 +1,17 @@
 """A model's weights, one tensor at a time, by their Hugging Face names.
 
 The build never holds a whole model: it asks for one tensor (or a band of its rows), writes what
-it becomes into the graph's side file, and lets it go. Both sources are memory-mapped, so a
-tensor costs memory only while it is being converted:
+it becomes into the graph's side file, and lets it go. Each read maps or reads only what it
+returns, so a tensor costs memory only while it is being converted (a map kept open would keep
+every page it touched resident, and over a build add up to the whole checkpoint):
 
-- a Hugging Face folder's safetensors, through `safe_open` (bf16/fp16 become float32 per tensor);
-- a GGUF file, through gguf-py's memory-mapped reader and its own dequantizers, with gguf-py's
-  tensor-name map (the one transformers uses) and llama's q/k rows put back in the order
-  transformers loads them. Its quantized blocks stay reachable for the `gguf` precision.
+- a Hugging Face folder's safetensors, through `safe_open` opened per read (bf16/fp16 become
+  float32 per band);
+- a GGUF file, its metadata through gguf-py's reader, its rows read from the file and turned to
+  float32 by gguf-py's own dequantizers, named by gguf-py's tensor-name map (the one
+  transformers uses), with llama's q/k rows put back in the order transformers loads them and
+  Gemma's stored norm offset taken off. Its quantized blocks stay reachable for the `gguf`
+  precision.
 
 Every array comes out float32, [rows, columns] as PyTorch's Linear holds it ([out, in]).
 """
@@ -36,7 +40,7 @@ GGUF_NORM_SHIFT = {"gemma2": 1.0, "gemma3": 1.0}
 
 class Tensors:
     """The weights of one model: `config` (a transformers PretrainedConfig), `shape(name)`,
-    `rows(name, start, stop)` and `get(name)` as float32, by Hugging Face name."""
+    `rows(name, index)` and `get(name)` as float32, by Hugging Face name."""
 
     config = None
 

@@ -435,7 +435,7 @@ def row_padding(rt: SpeculativeRuntime) -> dict | None:
     """What the target's row probe found on this machine (None: not probed, e.g. the torch
     or TensorRT backends), so a result says whether its calls were padded to even rows."""
     probe = getattr(rt.target, "row_probe", None)
-    return None if probe is None else {**probe.as_dict(), "finding": probe.describe()}
+    return None if probe is None else probe.as_dict()
 
 
 def current_rss_mb() -> float:

@@ -141,11 +141,10 @@ def row_padding(bundles: Sequence[Path]) -> dict[str, dict]:
     from specrt.bundle import Bundle
     from specrt.engines.onnxruntime import OrtEngine
 
-    found = {}
-    for path in bundles:
-        probe = OrtEngine.from_bundle(Bundle.load(path), "target").row_probe
-        found[str(path)] = {**probe.as_dict(), "finding": probe.describe()}
-    return found
+    return {
+        str(path): OrtEngine.from_bundle(Bundle.load(path), "target").row_probe.as_dict()
+        for path in bundles
+    }
 
 
 def render(as_json: bool = False, bundles: Sequence[Path] = ()) -> str:

@@ -54,7 +54,9 @@ class RowProbe:
         )
 
     def as_dict(self) -> dict:
+        """The record results and `specrt doctor --json` keep, the finding in words included."""
         return {
+            "finding": self.describe(),
             "pads": self.pads,
             "exact": self.exact,
             "max_abs_dlogit_unpadded": self.unpadded,

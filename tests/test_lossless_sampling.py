@@ -6,14 +6,17 @@ through the speculative loop (the first token from the prefill, then rounds of u
 drafts, so acceptance, residual and bonus draws all occur) must fit it, for a good draft and a
 bad one, under temperature, top-k and top-p, and for lookup (n-gram) drafts, which are point
 masses, for a prediction that is half right (point masses too), and for a request sampled
-inside a batch beside another request. The same test must
-fail when the residual rule is broken, or when a lookup draft is taken for certain, or it would
-prove nothing.
+inside a batch beside another request, and for a constrained request (a grammar whose mask
+changes row by row, logit_bias and both penalties), whose exact distribution is worked out by
+hand. The same test must
+fail when the residual rule is broken, when a lookup draft is taken for certain, or when the
+verify rows' penalties ignore the drafts before them, or it would prove nothing.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -27,9 +30,11 @@ from specrt.engines.onnxruntime import OrtEngine
 from specrt.exporter.graph import write_graph
 from specrt.exporter.tensors import open_weights
 from specrt.exporter.tiny import make_tiny_pair
+from specrt.runtime.constraints import Constraints
 from specrt.runtime.controller import Adaptive, Fixed
 from specrt.runtime.costs import StepCosts
-from specrt.runtime.drafters import ModelDrafter, NgramDrafter
+from specrt.runtime.drafters import ConstrainedDrafter, ModelDrafter, NgramDrafter
+from specrt.runtime.grammar import Grammars, Structure
 from specrt.runtime.prediction import PredictionDrafter
 from specrt.runtime.sampling import SamplingParams, probabilities
 from specrt.runtime.speculative import Request, prefill, speculate
@@ -88,30 +93,41 @@ def engines(tmp_path_factory):
     }
 
 
-def exact_distribution(target: OrtEngine, params: SamplingParams) -> np.ndarray:
-    """P(t1..t4 | prompt) for every one of the 8^4 sequences, by the chain rule."""
+def exact_distribution(target: OrtEngine, params: SamplingParams, process=None) -> np.ndarray:
+    """P(t1..t4 | prompt) for every one of the 8^4 sequences, by the chain rule; process(logits,
+    output so far) is what a constrained request does to the target's logits."""
+    process = process or (lambda logits, output: logits)
     target.reset()
-    first = probabilities(target.forward(PROMPT, last=1)[0], params)
+    first = probabilities(process(target.forward(PROMPT, last=1)[0], ()), params)
     joint = np.zeros([VOCAB] * NEW)
     for prefix in itertools.product(range(VOCAB), repeat=NEW - 1):
+        if not first[prefix[0]]:
+            continue  # a first token that never occurs (a constraint forbids it)
         target.rollback(len(PROMPT))
-        rows = [probabilities(row, params) for row in target.forward(list(prefix))]
+        logits = target.forward(list(prefix))
+        rows = [probabilities(process(logits[i], prefix[: i + 1]), params) for i in range(NEW - 1)]
         chain = first[prefix[0]] * np.prod([rows[i][prefix[i + 1]] for i in range(NEW - 2)])
         joint[prefix] = chain * rows[NEW - 2]
     return joint.ravel()
 
 
-def sample_counts(drafter, target, params, controller_factory, seed=0, neighbour=None):
+def sample_counts(
+    drafter, target, params, controller_factory, seed=0, neighbour=None, constrain=None
+):
     """Histogram of SAMPLES speculative 4-token outputs, and the draft's acceptance rate.
 
     neighbour: a function of the rng giving another request that runs in the same rounds, in
-    the slot before this one (its own parameters, drafts and K)."""
+    the slot before this one (its own parameters, drafts and K); constrain: a function giving
+    each request its constraints (the drafter then drafts within them)."""
     rng = np.random.default_rng(seed)
     counts = np.zeros(VOCAB**NEW)
     weights = VOCAB ** np.arange(NEW - 1, -1, -1)
     costs, drafted, accepted = StepCosts(), 0, 0
     for _ in range(SAMPLES):
-        request = Request(PROMPT, params, NEW, rng, controller_factory(), drafter, slot=1)
+        constraints = constrain() if constrain else None
+        source = ConstrainedDrafter(drafter, constraints) if constraints else drafter
+        request = Request(PROMPT, params, NEW, rng, controller_factory(), source, slot=1)
+        request.constraints = constraints
         batch = [request] if neighbour is None else [neighbour(rng), request]
         for r in batch:
             prefill(r, target)
@@ -262,3 +278,102 @@ def test_a_request_sampled_inside_a_batch_keeps_the_target_distribution(engines)
         neighbour=neighbour,
     )
     assert chi_square_p(counts, exact) > 1e-3
+
+
+# Pairs of letters, each "a" then one of b..g, or one of b..g then one of a..d; "h" is EOS and
+# the language needs 6 letters, so it is never allowed within 4 tokens. Which letters may come
+# next depends on the position and the letter before: the mask changes row by row.
+PAIRS = "(a[b-g]|[b-g][a-d]){3,}"
+BIAS = {2: 1.5, 4: -1.0}
+PRESENCE, FREQUENCY = 0.8, 0.5
+
+
+def _pairs_allowed(output) -> np.ndarray:
+    """The letters PAIRS allows after output, worked out by hand (not by the grammar engine)."""
+    allowed = np.zeros(VOCAB, dtype=bool)
+    if len(output) % 2 == 0:
+        allowed[:7] = True  # a pair starts: any of a..g
+    elif output[-1] == 0:
+        allowed[1:7] = True  # after "a": b..g
+    else:
+        allowed[:4] = True  # after one of b..g: a..d
+    return allowed
+
+
+def _constrained_logits(logits: np.ndarray, output) -> np.ndarray:
+    """PAIRS, BIAS and the penalties applied to logits after output, by hand."""
+    out = logits.astype(np.float64).copy()
+    for token, bias in BIAS.items():
+        out[token] += bias
+    for token in set(output):
+        out[token] -= FREQUENCY * list(output).count(token) + PRESENCE
+    out[~_pairs_allowed(output)] = -np.inf
+    return out
+
+
+def _pair_constraints(grammars: Grammars) -> Constraints:
+    grammar = grammars.compile(Structure("regex", PAIRS))
+    return Constraints(
+        grammar, logit_bias=BIAS, presence_penalty=PRESENCE, frequency_penalty=FREQUENCY
+    )
+
+
+@pytest.fixture(scope="module")
+def pair_grammars(tmp_path_factory) -> Grammars:
+    """The grammar engine over a byte-level tokenizer whose 8 tokens are the letters a..h."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate("abcdefgh")}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    folder = tmp_path_factory.mktemp("pair-letters")
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return Grammars(folder / "tokenizer.json", VOCAB, [7])
+
+
+@pytest.mark.parametrize("draft", ["good", "bad", "ngram"])
+def test_constrained_sampling_keeps_the_constrained_target_distribution(
+    engines, pair_grammars, draft
+):
+    """Under a grammar, logit_bias and both penalties, the target's distribution at each
+    position is its processed one; speculation (model drafts within the grammar, lookups cut
+    where it refuses them, forced tokens) must sample exactly that, computed here by hand."""
+    params = PARAMS["temperature"]
+    exact = exact_distribution(engines["target"], params, _constrained_logits)
+
+    drafter = NgramDrafter(min_n=1, max_n=2) if draft == "ngram" else ModelDrafter(engines[draft])
+    counts, acceptance_rate = sample_counts(
+        drafter,
+        engines["target"],
+        params,
+        lambda: Fixed(2),
+        constrain=lambda: _pair_constraints(pair_grammars),
+    )
+    assert chi_square_p(counts, exact) > 1e-3
+    assert 0.05 < acceptance_rate < 0.98  # both acceptance and rejection really occur
+
+
+def test_the_test_catches_penalties_blind_to_the_drafts(engines, pair_grammars, monkeypatch):
+    """Control: verify rows whose penalties count only the emitted output, not the drafts
+    before each row (each row still masked at its own position), must fail the same test."""
+
+    def stale(self, rows, drafts):
+        emitted, out = Counter(self.counts), np.empty(rows.shape, dtype=np.float32)
+        for i, row in enumerate(rows):
+            walked, self.counts = self.counts, emitted
+            out[i] = self.apply(row)
+            self.counts = walked
+            self.advance(drafts[i : i + 1])
+        return out
+
+    monkeypatch.setattr(Constraints, "apply_rows", stale)
+    params = PARAMS["temperature"]
+    exact = exact_distribution(engines["target"], params, _constrained_logits)
+    counts, _ = sample_counts(
+        ModelDrafter(engines["good"]),
+        engines["target"],
+        params,
+        lambda: Fixed(2),
+        constrain=lambda: _pair_constraints(pair_grammars),
+    )
+    assert chi_square_p(counts, exact) < 1e-6

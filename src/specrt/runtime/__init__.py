@@ -2,6 +2,8 @@
 
 from specrt.runtime.api import SpeculativeRuntime
 from specrt.runtime.generation import Generation, Result, Stats
+from specrt.runtime.grammar import Structure
+from specrt.runtime.logprobs import TokenLogprob
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.scheduler import Scheduler
 
@@ -12,4 +14,6 @@ __all__ = [
     "Scheduler",
     "SpeculativeRuntime",
     "Stats",
+    "Structure",
+    "TokenLogprob",
 ]

@@ -21,10 +21,13 @@ from specrt.bundle import Bundle
 from specrt.engines import load_engine
 from specrt.engines.base import Engine
 from specrt.errors import SpecrtError
+from specrt.runtime.constraints import Constraints
 from specrt.runtime.controller import make_controller
 from specrt.runtime.costs import StepCosts, measure_costs
-from specrt.runtime.drafters import make_drafter
+from specrt.runtime.drafters import ConstrainedDrafter, make_drafter
 from specrt.runtime.generation import Generation, Result
+from specrt.runtime.grammar import Grammars, Structure
+from specrt.runtime.logprobs import check_top
 from specrt.runtime.prediction import PredictionDrafter
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.scheduler import Scheduler
@@ -53,6 +56,8 @@ class SpeculativeRuntime:
         make_drafter(self.drafter, draft)  # refuse a bad name now, not mid-request
         self.tokenizer = TextTokenizer.from_bundle(bundle)
         self.eos_token_ids = frozenset(bundle.eos_token_ids)
+        folder = bundle.role("target").folder
+        self.grammars = Grammars(folder / "tokenizer.json", target.vocab_size, bundle.eos_token_ids)
         self.controller = controller
         make_controller(controller, bundle.max_draft)  # refuse a bad spec now, not mid-request
         self.costs = StepCosts()  # learned by the rounds, or calibrated
@@ -129,6 +134,12 @@ class SpeculativeRuntime:
         ignore_eos: bool = False,
         timeout: float | None = None,
         prediction: str | None = None,
+        structure: Structure | None = None,
+        jump_forward: bool = True,
+        logit_bias: dict[int, float] | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        logprobs: int | None = None,
     ) -> Generation:
         """Start a request; iterate the result for text deltas, then read `.result`.
 
@@ -141,6 +152,13 @@ class SpeculativeRuntime:
         ends the generation after the round in flight (finish "timeout"); prediction is text
         the output is expected to mostly repeat (OpenAI's Predicted Outputs), drafted for free
         where the output follows it, by the drafter elsewhere.
+
+        structure constrains the output (`Structure("json_schema", schema)`, a regex, a Lark
+        grammar, choices): the target decodes from its masked distribution, the draft drafts
+        within it, and tokens it forces are drafted for free unless jump_forward=False.
+        logit_bias (token id: -100..100), presence_penalty and frequency_penalty (-2..2) apply
+        to draft and target alike, as OpenAI defines them. logprobs=N reports each token's
+        log-probability under the target and its N most likely alternatives (0..20).
         """
         if max_new_tokens < 1:
             raise SpecrtError(
@@ -160,8 +178,27 @@ class SpeculativeRuntime:
         if prediction is not None:
             predicted = self._predicted(prediction, source)  # checked even when not speculating
             source = predicted if speculate else None
+        if structure is not None and ignore_eos:
+            raise SpecrtError(
+                "ignore_eos cannot be combined with a structure: the grammar decides where the "
+                "output may end",
+                param="ignore_eos",
+            )
+        constraints = None
+        if structure is not None or logit_bias or presence_penalty or frequency_penalty:
+            constraints = Constraints(
+                self.grammars.compile(structure) if structure is not None else None,
+                logit_bias=logit_bias,
+                presence_penalty=presence_penalty,
+                frequency_penalty=frequency_penalty,
+                eos=self.eos_token_ids,
+                vocab=ids,
+            )
+        if source is not None and structure is not None:
+            source = ConstrainedDrafter(source, constraints, jump_forward)
         rng = np.random.default_rng(seed)
         request = Request(self.encode(prompt), params, max_new_tokens, rng, policy, source)
+        request.constraints, request.logprobs = constraints, check_top(logprobs)
         eos = frozenset() if ignore_eos else self.eos_token_ids
         stops = StopRules(self.tokenizer, stop, eos, max_new_tokens)
         deadline = None if timeout is None else time.monotonic() + timeout

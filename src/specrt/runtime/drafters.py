@@ -23,6 +23,7 @@ import numpy as np
 
 from specrt.engines.base import Engine
 from specrt.errors import SpecrtError
+from specrt.runtime.constraints import Constraints
 from specrt.runtime.sampling import SamplingParams, probabilities, sample
 
 DRAFTERS = ("model", "ngram", "hybrid")
@@ -106,51 +107,91 @@ class ModelDrafter:
         return Offer("model", limit, len(seq) - self.engine.lengths[self.slot])
 
     def propose(self, seq, k, params, rng, threshold) -> Proposal:
-        return draft_together([self], [seq], [k], [params], [rng], [threshold])[0][0]
+        return draft_together([DraftJob(self, seq, k, params, rng, threshold)])[0][0]
 
     def rollback(self, length: int) -> None:
         self.engine.rollback(min(self.engine.lengths[self.slot], length), self.slot)
 
 
-def draft_together(
-    drafters: Sequence[ModelDrafter],
-    seqs: Sequence[Sequence[int]],
-    ks: Sequence[int],
-    params: Sequence[SamplingParams],
-    rngs: Sequence[np.random.Generator],
-    thresholds: Sequence[float],
-) -> tuple[list[Proposal], float]:
-    """Up to ks[i] tokens after seqs[i] for each request, one batched call of the draft model
-    per step. A request whose draft is done (k tokens, or the draft is unsure: verifying now
+@dataclass
+class DraftJob:
+    """One request's part in a batched draft."""
+
+    drafter: ModelDrafter
+    seq: Sequence[int]  # the sequence to draft after
+    k: int  # draft model steps at most
+    params: SamplingParams
+    rng: np.random.Generator
+    threshold: float = 0.0  # stop once the draft's top probability falls below
+    # The draft samples within them, and the tokens a grammar forces after a drafted token
+    # join the proposal for free, up to room tokens in all (default k).
+    constraints: Constraints | None = None
+    room: int | None = None
+
+    @property
+    def limit(self) -> int:
+        """The most tokens its proposal may hold."""
+        return self.k if self.room is None else self.room
+
+
+def draft_together(jobs: Sequence[DraftJob]) -> tuple[list[Proposal], float]:
+    """Up to k tokens after each job's sequence, one batched call of the draft model per step.
+    A request whose draft is done (k steps, its room, or the draft is unsure: verifying now
     beats drafting on) sits out the remaining steps. Also returns the seconds spent catching
-    up first (a prompt, rounds served by a lookup or at K = 0), which are not draft steps."""
-    engine, ids = drafters[0].engine, drafters[0].ids
+    up first (a prompt, rounds served by a lookup or at K = 0), which are not draft steps.
+    Constraints end where they began: drafting walks them ahead and steps them back."""
+    engine, ids = jobs[0].drafter.engine, jobs[0].drafter.ids
     last = engine.vocab_size - 1
-    proposals = [Proposal() for _ in drafters]
+    proposals = [Proposal() for _ in jobs]
+    bases = [job.constraints.position if job.constraints else 0 for job in jobs]
     feeds = {
-        i: [min(token, last) for token in seq[d.engine.lengths[d.slot] :]]
-        for i, (d, seq) in enumerate(zip(drafters, seqs, strict=True))
+        i: [min(token, last) for token in job.seq[job.drafter.engine.lengths[job.drafter.slot] :]]
+        for i, job in enumerate(jobs)
     }
     start = time.perf_counter()
     for i, feed in feeds.items():
         if len(feed) > CATCH_UP:  # a call of its own, so that no other row is padded to it
-            engine.forward_rows([(drafters[i].slot, feed[:-1])], last=1)
+            engine.forward_rows([(jobs[i].drafter.slot, feed[:-1])], last=1)
             feeds[i] = feed[-1:]
     catch_up = time.perf_counter() - start
+    steps = [0] * len(jobs)
     while feeds:
-        rows = engine.forward_rows([(drafters[i].slot, feed) for i, feed in feeds.items()], last=1)
+        calls = [(jobs[i].drafter.slot, feed) for i, feed in feeds.items()]
+        rows = engine.forward_rows(calls, last=1)
         for i, logits in zip(list(feeds), rows, strict=True):
-            token, probs, confidence = draw(logits[0, :ids], params[i], rngs[i], thresholds[i])
-            proposal = proposals[i]
-            if proposal.tokens and confidence < thresholds[i]:
+            job, proposal = jobs[i], proposals[i]
+            row = logits[0, :ids]
+            if job.constraints is not None:
+                row = job.constraints.apply(row)
+            token, probs, confidence = draw(row, job.params, job.rng, job.threshold)
+            if proposal.tokens and confidence < job.threshold:
                 del feeds[i]
                 continue
             proposal.tokens.append(token)
             proposal.probs.append(probs)
-            feeds[i] = [token]
-            if len(proposal.tokens) == ks[i]:
+            steps[i] += 1
+            feeds[i] = [token, *_follow(job, proposal, token)]
+            ended = job.constraints is not None and token in job.constraints.eos
+            if ended or steps[i] == job.k or len(proposal.tokens) >= job.limit:
                 del feeds[i]
+    for job, base in zip(jobs, bases, strict=True):
+        if job.constraints is not None:
+            job.constraints.rollback_to(base)
     return proposals, catch_up
+
+
+def _follow(job: DraftJob, proposal: Proposal, token: int) -> list[int]:
+    """Walk a job's constraints over its drafted token, then over the tokens its grammar forces
+    next, which join the proposal as point masses (free drafts, verified like any other)."""
+    constraints = job.constraints
+    if constraints is None or token in constraints.eos:
+        return []
+    constraints.advance([token])
+    forced = constraints.forced()[: max(0, job.limit - len(proposal.tokens))]
+    constraints.advance(forced)
+    proposal.tokens.extend(forced)
+    proposal.probs.extend([None] * len(forced))
+    return forced
 
 
 class NgramDrafter:
@@ -229,6 +270,42 @@ class HybridDrafter:
 
     def rollback(self, length: int) -> None:
         self.model.rollback(length)
+
+
+class ConstrainedDrafter:
+    """A constrained request's drafter. Where its grammar forces the next tokens (keys, quotes,
+    braces, a fixed value), they are the round's draft, for free (SGLang's jump-forward, kept
+    lossless: they are verified like any draft); elsewhere its own drafter proposes, the draft
+    model within the grammar (`DraftJob.constraints`), a lookup cut where the grammar refuses
+    its tokens (a refused token could never be accepted: its constrained probability is 0)."""
+
+    def __init__(self, inner: Drafter | None, constraints: Constraints, jump_forward: bool = True):
+        self.inner, self.constraints, self.jump_forward = inner, constraints, jump_forward
+        self.name = inner.name if inner is not None else "forced"
+        self.model = inner.model if inner is not None else None
+        self._forced: list[int] = []
+
+    def start(self, prompt: Sequence[int], slot: int) -> None:
+        if self.inner is not None:
+            self.inner.start(prompt, slot)
+
+    def offer(self, seq: Sequence[int], limit: int) -> Offer:
+        self._forced = self.constraints.forced()[: max(0, limit)] if self.jump_forward else []
+        if self._forced:
+            return Offer("forced", len(self._forced))
+        return self.inner.offer(seq, limit) if self.inner is not None else Offer("none", 0)
+
+    def propose(self, seq, k, params, rng, threshold) -> Proposal:
+        if self._forced:
+            tokens = self._forced[:k]
+            return Proposal(tokens, [None] * len(tokens))
+        proposal = self.inner.propose(seq, k, params, rng, threshold)
+        kept = self.constraints.allows(proposal.tokens)
+        return Proposal(proposal.tokens[:kept], proposal.probs[:kept])
+
+    def rollback(self, length: int) -> None:
+        if self.inner is not None:
+            self.inner.rollback(length)
 
 
 def make_drafter(name, draft: Engine | None, ids: int | None = None) -> Drafter:

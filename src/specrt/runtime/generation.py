@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 
+from specrt.runtime.logprobs import TokenLogprob
 from specrt.runtime.speculative import Request, Round
 from specrt.runtime.stops import StopRules
 
@@ -119,6 +120,7 @@ class Result:
     token_ids: list[int]
     finish_reason: str  # "eos" | "stop" | "length" | "context" | "timeout" | "cancelled"
     stats: Stats = field(repr=False)
+    logprobs: list[TokenLogprob] | None = field(default=None, repr=False)  # one per token
 
 
 class Generation:
@@ -133,6 +135,7 @@ class Generation:
         self.deadline = deadline  # time.monotonic() past which the generation ends ("timeout")
         self.cancelled: str | None = None
         self.result: Result | None = None
+        self.logprobs: list[TokenLogprob] = []  # of the tokens kept, where the request asked
         drafter = request.drafter
         self.stats = Stats(
             prompt_tokens=len(request.prompt),
@@ -161,16 +164,23 @@ class Generation:
         """Its prefill starts now: times are measured from here."""
         self._start = time.perf_counter()
 
-    def absorb(self, tokens: Sequence[int], origins: Sequence[str] = ()) -> None:
+    def absorb(
+        self,
+        tokens: Sequence[int],
+        origins: Sequence[str] = (),
+        logprobs: Sequence[TokenLogprob] = (),
+    ) -> None:
         """Take a round's emitted tokens, up to the one that ends the output; origins says who
-        made each (draft, prediction; target where not given)."""
+        made each (draft, prediction; target where not given), logprobs their log-probabilities
+        where the request asked."""
         now = time.perf_counter() - self._start
         if not self.stops.tokens:
             self.stats.ttft_seconds = now
         origins = [*origins, *["target"] * (len(tokens) - len(origins))]
-        for token, origin in zip(tokens, origins, strict=True):
+        for i, (token, origin) in enumerate(zip(tokens, origins, strict=True)):
             self.stats.token_times.append(now)
             self.stats.token_origins.append(origin)
+            self.logprobs.extend(logprobs[i : i + 1])
             if self.stops.push(token):
                 break
         reason = self.interrupted()
@@ -187,4 +197,7 @@ class Generation:
         self.stops.end(reason)
         self.stats.total_seconds = time.perf_counter() - self._start
         self.stats.new_tokens = len(self.stops.tokens)
-        self.result = Result(self.stops.text, self.stops.tokens, self.stops.finish, self.stats)
+        logprobs = self.logprobs if self.request.logprobs is not None else None
+        self.result = Result(
+            self.stops.text, self.stops.tokens, self.stops.finish, self.stats, logprobs
+        )

@@ -63,10 +63,10 @@ class Scheduler:
             generation.request.slot = slot
             generation.begin()
             start = time.perf_counter()
-            first = prefill(generation.request, self.target)
+            first, logprobs = prefill(generation.request, self.target)
             generation.stats.prefill_seconds = time.perf_counter() - start
             generation.stats.target_calls += 1
-            generation.absorb([first])
+            generation.absorb([first], logprobs=logprobs)
             if generation.stopped:
                 generation.close()
             else:
@@ -84,7 +84,7 @@ class Scheduler:
             step = speculate([g.request for g in active], self.target, self.costs)
             for i, generation in enumerate(active):
                 generation.stats.record(step, i)
-                generation.absorb(step.emitted[i], step.origins(i))
+                generation.absorb(step.emitted[i], step.origins(i), step.logprobs[i])
                 if generation.stopped:
                     self._leave(generation)
         return Step(moved, len(active))

@@ -21,9 +21,11 @@ import numpy as np
 
 from specrt.engines.base import Engine
 from specrt.runtime.acceptance import verify_greedy, verify_sampled
+from specrt.runtime.constraints import Constraints
 from specrt.runtime.controller import Decision, RoundContext, decide_round
 from specrt.runtime.costs import StepCosts
-from specrt.runtime.drafters import Drafter, Offer, Proposal, draft_together, draw
+from specrt.runtime.drafters import Drafter, DraftJob, Offer, Proposal, draft_together, draw
+from specrt.runtime.logprobs import TokenLogprob, token_logprobs
 from specrt.runtime.sampling import SamplingParams
 
 NONE = Offer("none", 0)  # a request without a drafter: the target alone
@@ -41,12 +43,17 @@ class Request:
     drafter: Drafter | None  # None: the target alone
     slot: int = 0  # its row in the engines' caches
     seq: list[int] = field(default_factory=list)
+    constraints: Constraints | None = None  # grammar, logit_bias, penalties: draft and target
+    logprobs: int | None = None  # report each token's log-probability and this many best
+
+    @property
+    def produced(self) -> int:
+        return len(self.seq) - len(self.prompt)
 
     def room(self, capacity: int) -> int:
         """Drafts it can take now: K + 1 tokens go to the target, whose cache holds all of seq
         but one; negative once the budget or the context is spent."""
-        produced = len(self.seq) - len(self.prompt)
-        return min(self.max_new_tokens - produced - 1, capacity - len(self.seq))
+        return min(self.max_new_tokens - self.produced - 1, capacity - len(self.seq))
 
 
 @dataclass
@@ -60,6 +67,7 @@ class Round:
     emitted: list[list[int]]
     draft_seconds: float
     verify_seconds: float
+    logprobs: list[list[TokenLogprob]]  # per request that asked: one per emitted token
 
     def origins(self, i: int) -> list[str]:
         """Who made each token request i emitted: its accepted drafts (the draft model or a
@@ -68,16 +76,21 @@ class Round:
         return [made] * self.accepted[i] + ["target"]
 
 
-def prefill(req: Request, target: Engine) -> int:
+def prefill(req: Request, target: Engine) -> tuple[int, list[TokenLogprob]]:
     """Start a request in its slot: the prompt in one call of its own, the first token drawn
-    from its last logits, and the drafter given its slot. Returns the first token."""
+    from its last logits, and the drafter given its slot. Returns the first token (and its
+    log-probability where the request asked)."""
     target.reset(req.slot)
     logits = target.forward_rows([(req.slot, req.prompt)], last=1)[0]
+    if req.constraints is not None:
+        logits = req.constraints.apply_rows(logits, [])
     first, _, _ = draw(logits[0], req.params, req.rng, threshold=0.0)
+    if req.constraints is not None:
+        req.constraints.close_round(0, [first])
     req.seq = [*req.prompt, first]
     if req.drafter is not None:
         req.drafter.start(req.prompt, req.slot)
-    return first
+    return first, _logprobs(req, logits, [first])
 
 
 def speculate(reqs: list[Request], target: Engine, costs: StepCosts) -> Round:
@@ -93,14 +106,17 @@ def speculate(reqs: list[Request], target: Engine, costs: StepCosts) -> Round:
         for r, o, room in zip(reqs, offers, rooms, strict=True)
     ]
     decisions = decide_round([r.policy for r in reqs], contexts, costs)
-    proposals, catch_up = _propose(reqs, offers, decisions)
+    proposals, catch_up = _propose(reqs, offers, decisions, rooms)
     t1 = time.perf_counter()
     logits = target.forward_rows(
         [(r.slot, [r.seq[-1], *p.tokens]) for r, p in _pairs(reqs, proposals)]
     )
     t2 = time.perf_counter()
-    accepted, emitted = [], []
+    accepted, emitted, logprobs = [], [], []
     for r, p, scores in zip(reqs, proposals, logits, strict=True):
+        base = r.produced
+        if r.constraints is not None:
+            scores = r.constraints.apply_rows(scores, p.tokens)
         if r.params.greedy:
             n, extra = verify_greedy(p.tokens, scores)
         else:
@@ -108,21 +124,38 @@ def speculate(reqs: list[Request], target: Engine, costs: StepCosts) -> Round:
         target.rollback(len(r.seq) + n, r.slot)
         if r.drafter is not None:
             r.drafter.rollback(len(r.seq) + n)
-        r.seq.extend([*p.tokens[:n], extra])
+        kept = [*p.tokens[:n], extra]
+        if r.constraints is not None:
+            r.constraints.close_round(base, kept)
+        r.seq.extend(kept)
         r.policy.observe(len(p.tokens), n)
         accepted.append(n)
-        emitted.append(r.seq[-n - 1 :])
+        emitted.append(kept)
+        logprobs.append(_logprobs(r, scores, kept))
     drafted = [len(p.tokens) for p in proposals]
     _observe_costs(costs, offers, drafted, t1 - t0 - catch_up, t2 - t1)
     sources = [o.source if n else "none" for o, n in _pairs(offers, drafted)]
-    return Round(decisions, sources, drafted, accepted, emitted, t1 - t0, t2 - t1)
+    return Round(decisions, sources, drafted, accepted, emitted, t1 - t0, t2 - t1, logprobs)
+
+
+def _logprobs(req: Request, rows, tokens: list[int]) -> list[TokenLogprob]:
+    """The emitted tokens' log-probabilities from the target's (processed) rows, if asked."""
+    if req.logprobs is None:
+        return []
+    return token_logprobs(rows[: len(tokens)], tokens, req.logprobs)
 
 
 def _pairs(first: list, second: list):
     return zip(first, second, strict=True)
 
 
-def _propose(reqs: list[Request], offers: list[Offer], decisions: list[Decision]):
+def _draft_job(r: Request, k: int, room: int) -> DraftJob:
+    threshold = r.policy.confidence_threshold
+    model = r.drafter.model
+    return DraftJob(model, r.seq, k, r.params, r.rng, threshold, r.constraints, room)
+
+
+def _propose(reqs: list[Request], offers: list[Offer], decisions: list[Decision], rooms):
     """Each request's drafts (lookups alone, model drafts for all requests together), and the
     seconds the draft model spent catching up (see `draft_together`)."""
     proposals = [Proposal() for _ in reqs]
@@ -134,14 +167,8 @@ def _propose(reqs: list[Request], offers: list[Offer], decisions: list[Decision]
             threshold = r.policy.confidence_threshold
             proposals[i] = r.drafter.propose(r.seq, decision.k, r.params, r.rng, threshold)
     if together:
-        drafted, catch_up = draft_together(
-            [reqs[i].drafter.model for i in together],
-            [reqs[i].seq for i in together],
-            [decisions[i].k for i in together],
-            [reqs[i].params for i in together],
-            [reqs[i].rng for i in together],
-            [reqs[i].policy.confidence_threshold for i in together],
-        )
+        jobs = [_draft_job(reqs[i], decisions[i].k, rooms[i]) for i in together]
+        drafted, catch_up = draft_together(jobs)
         for i, proposal in zip(together, drafted, strict=True):
             proposals[i] = proposal
     return proposals, catch_up

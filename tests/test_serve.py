@@ -194,7 +194,7 @@ BAD_REQUESTS = [  # (endpoint, body, param, code or None, words of the message)
     ("completions", {"prompt": "x", "speculation": {"drafter": "psychic"}},
      "speculation.drafter", None, "unknown drafter"),
     ("completions", {"prompt": "x", "speculation": {"k": 3}}, "speculation", None, ""),
-    ("completions", {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty", None, "not"),
+    ("completions", {"prompt": "x", "presence_penalty": 2.5}, "presence_penalty", None, "[-2, 2]"),
     ("completions", {"prompt": ["a", "b"]}, "prompt", None, "one prompt per request"),
     ("chat/completions", {"messages": []}, "messages", None, "at least 1"),
     ("chat/completions", {"messages": [{"role": "user", "content": TOO_LONG}]}, "messages",
@@ -202,7 +202,8 @@ BAD_REQUESTS = [  # (endpoint, body, param, code or None, words of the message)
     ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages.0.content", None, ""),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{}]},
-     "tools", None, "not supported"),
+     "tools[0]", None, '"type": "function"'),
+    ("completions", {"prompt": "x", "echo": True}, "echo", None, "not supported"),
 ]  # fmt: skip
 
 

@@ -14,9 +14,24 @@ from pathlib import Path
 
 CORPUS = Path(__file__).with_name("data") / "corpus.txt"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+CHAT_TEMPLATE = (  # ChatML, with tools and tool calls written as Qwen2.5 writes them (Hermes)
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "# Tools\n\n<tools>\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n\n"
+    "For each function call, return a JSON object with function name and arguments within "
+    "<tool_call></tool_call> tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+    "{% endif %}"
+    "{% for m in messages %}"
+    "{% if tools and loop.first and m['role'] == 'system' %}"
+    "{% elif m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n"
+    "</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% for call in m.get('tool_calls') or [] %}<tool_call>\n"
+    '{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}'
+    "\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 ARCHITECTURES = ("llama", "qwen2")
 # What every tiny model shares (tests of other families build theirs from it too).

@@ -102,9 +102,10 @@ class SpeculativeRuntime:
             runtime.calibrate()
         return runtime
 
-    def encode(self, prompt: Prompt) -> list[int]:
-        """Token ids for a prompt (see TextTokenizer.encode_prompt), checked against the context."""
-        ids = self.tokenizer.encode_prompt(prompt)
+    def encode(self, prompt: Prompt, tools: Sequence[dict] | None = None) -> list[int]:
+        """Token ids for a prompt (see TextTokenizer.encode_prompt; tools, in OpenAI's form, go
+        to the chat template), checked against the context."""
+        ids = self.tokenizer.encode_prompt(prompt, tools)
         if not ids:
             raise SpecrtError("the prompt is empty", param="prompt")
         if len(ids) >= self.bundle.max_context:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from specrt.runtime.logprobs import TokenLogprob
 from specrt.runtime.speculative import Request, Round
@@ -136,6 +136,7 @@ class Generation:
         self.cancelled: str | None = None
         self.result: Result | None = None
         self.logprobs: list[TokenLogprob] = []  # of the tokens kept, where the request asked
+        self._logprobs_taken = 0
         drafter = request.drafter
         self.stats = Stats(
             prompt_tokens=len(request.prompt),
@@ -180,7 +181,7 @@ class Generation:
         for i, (token, origin) in enumerate(zip(tokens, origins, strict=True)):
             self.stats.token_times.append(now)
             self.stats.token_origins.append(origin)
-            self.logprobs.extend(logprobs[i : i + 1])
+            self.logprobs.extend(self._named(logprobs[i : i + 1]))
             if self.stops.push(token):
                 break
         reason = self.interrupted()
@@ -190,6 +191,20 @@ class Generation:
     def take(self) -> str:
         """Text that may be shown now and was not yet."""
         return self.stops.release()
+
+    def take_logprobs(self) -> list[TokenLogprob]:
+        """Log-probabilities of the tokens absorbed since the last call."""
+        taken = self.logprobs[self._logprobs_taken :]
+        self._logprobs_taken = len(self.logprobs)
+        return taken
+
+    def _named(self, entries: Sequence[TokenLogprob]) -> list[TokenLogprob]:
+        """Entries with their tokens' texts, as the API reports them."""
+        text = self.runtime.tokenizer.token_text
+        return [
+            replace(e, text=text(e.token), top_texts=tuple(text(t) for t, _ in e.top))
+            for e in entries
+        ]
 
     def close(self, reason: str = "context") -> None:
         """End it (reason counts if nothing ended it before: the context is full, or it was

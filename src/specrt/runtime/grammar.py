@@ -13,6 +13,7 @@ verify row at the same place).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
@@ -53,8 +54,8 @@ class Structure:
             raise _error(f"a {self.kind} grammar must be text, got {type(self.value).__name__}")
         if self.kind == "regex":
             return ll.grammar_from_regex(self.value)
-        if self.kind == "lark":
-            return ll.grammar_from_lark(self.value)
+        if self.kind == "lark":  # GBNF (llama.cpp's form) is taken too, converted to Lark
+            return ll.grammar_from_lark(_llguidance().gbnf_to_lark.any_to_lark(self.value))
         if self.kind == "choice":
             choices = self.value
             if not choices or not all(isinstance(c, str) and c for c in choices):
@@ -70,6 +71,7 @@ def _error(message: str, param: str = "structure") -> SpecrtError:
 def _llguidance():
     try:
         import llguidance
+        import llguidance.gbnf_to_lark
         import llguidance.numpy
     except ImportError as err:
         raise SpecrtError(
@@ -96,6 +98,21 @@ class Grammars:
                 ll = _llguidance()
                 self._tokenizer = ll.LLTokenizer(text, n_vocab=self.vocab, eos_token=self.eos)
             return self._tokenizer
+
+    @functools.cache  # noqa: B019 (one per runtime, kept as long as it)
+    def _vocabulary(self):
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(self.tokenizer_file))
+
+    def literal(self, text: str) -> str:
+        """text in a Lark grammar: a special token of the vocabulary by its id (the engine
+        matches those as tokens, never as the bytes of their name), anything else as a
+        string."""
+        token = self._vocabulary().token_to_id(text)
+        if token is not None and self.tokenizer.is_special_token(token):
+            return f"<[{token}]>"
+        return json.dumps(text)
 
     def compile(self, structure: Structure) -> Grammar:
         grammar = structure.grammar()

@@ -25,6 +25,8 @@ class TokenLogprob:
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # the most likely tokens there, best first
+    text: str = ""  # the token's text, and the top tokens' (named by the generation)
+    top_texts: tuple[str, ...] = ()
 
 
 def check_top(top: int | None) -> int | None:

@@ -43,19 +43,32 @@ class TextTokenizer:
         encoding = self.tokenizer.encode(text, add_special_tokens=False)
         return encoding.ids, [end for _, end in encoding.offsets]
 
-    def encode_prompt(self, prompt: str | Sequence[dict] | Sequence[int]) -> list[int]:
+    def encode_prompt(
+        self, prompt: str | Sequence[dict] | Sequence[int], tools: Sequence[dict] | None = None
+    ) -> list[int]:
         """Text is tokenized as is; a list of {role, content} dicts goes through the chat
-        template; a list of ints is taken as token ids."""
+        template (with the tools, where given); a list of ints is taken as token ids."""
         if isinstance(prompt, str):
             return self.encode(prompt)
         if prompt and all(isinstance(m, dict) for m in prompt):
-            return self.encode(self.render_chat(prompt), add_special_tokens=False)
+            text = self.render_chat(prompt, tools=tools)
+            return self.encode(text, add_special_tokens=False)
         return [int(t) for t in prompt]
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
-    def render_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> str:
+    def token_text(self, token: int) -> str:
+        """One token's text, special tokens included (what a logprob entry names)."""
+        return self.tokenizer.decode([token], skip_special_tokens=False)
+
+    def render_chat(
+        self,
+        messages: Sequence[dict],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict] | None = None,
+    ) -> str:
         if not self.chat_template:
             raise SpecrtError("this bundle's tokenizer has no chat template; send a plain prompt")
         from jinja2 import TemplateError
@@ -73,7 +86,7 @@ class TextTokenizer:
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
-                tools=None,
+                tools=list(tools) if tools else None,
             )
         except TemplateError as err:
             raise SpecrtError(f"the chat template rejected these messages: {err}") from err

@@ -51,7 +51,8 @@ class Server:
         streaming = False
         try:
             first = await stream.next()
-            reply = Reply(isinstance(body, ChatRequest), self.settings.served_model)
+            chat = isinstance(body, ChatRequest)
+            reply = Reply(chat, self.settings.served_model, tools=body.parses_tool_calls)
             if body.stream and not isinstance(first, Failed):
                 streaming = True  # the stream owns the watcher from here
                 events = self._stream(stream, first, reply, body.include_usage, watcher)
@@ -77,7 +78,7 @@ class Server:
         try:
             while True:
                 if isinstance(event, Delta):
-                    yield sse(reply.chunk(event.text))
+                    yield sse(reply.chunk(event.text, event.logprobs))
                 elif isinstance(event, Done):
                     yield sse(reply.last_chunk(event.result))
                     if include_usage:

@@ -54,9 +54,12 @@ class APIError(Exception):
         return functools.partial(APIError, **options), (self.status, self.message)
 
     @classmethod
-    def from_specrt(cls, err: SpecrtError, prompt_field: str = "prompt") -> APIError:
-        """A runtime refusal of the request's values: 400, naming the field at fault."""
-        param = API_PARAMS.get(err.param, err.param)
+    def from_specrt(
+        cls, err: SpecrtError, prompt_field: str = "prompt", renames: dict | None = None
+    ) -> APIError:
+        """A runtime refusal of the request's values: 400, naming the field at fault (renames:
+        the request's own name for a runtime argument, where it depends on the request)."""
+        param = (renames or {}).get(err.param) or API_PARAMS.get(err.param, err.param)
         if param == "prompt":
             param = prompt_field
         return cls(400, str(err), param=param, code=err.code)

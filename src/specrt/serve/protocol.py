@@ -2,22 +2,29 @@
 
 The models check types and shapes only (strictly: "0.5" is not a number); what the values may
 be (temperature >= 0, top_p in (0, 1], K within the bundle's K_max, the prompt within the
-context) is checked once, by the runtime, whose errors name the field at fault. Fields that
-would change the output in ways specrt does not implement (penalties, logit bias, logprobs,
-tools, several choices) are refused rather than ignored; unknown fields are ignored, as
+context, a schema the grammar engine compiles) is checked once, by the runtime, whose errors
+name the field at fault. Fields that would change the output in ways specrt does not implement
+(several choices, echo, suffix) are refused rather than ignored; unknown fields are ignored, as
 OpenAI-compatible servers do, so clients that send extras still work.
+
+Structured output comes as OpenAI's `response_format` (json_object, json_schema) or as vLLM's
+`structured_outputs` (json, regex, grammar: Lark or GBNF, choice, json_object), on both
+endpoints; tools as OpenAI's `tools` and `tool_choice` (tools.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import time
 import uuid
 from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from specrt.runtime import Result
+from specrt.runtime import Result, Structure, TokenLogprob
 from specrt.serve.errors import APIError
+from specrt.serve.tools import CallStream, ToolCall, Tools, parse_calls
 
 # OpenAI's finish reasons; "timeout" is specrt's own (the request hit the server's --timeout).
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
@@ -34,6 +41,55 @@ class Speculation(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
     controller: str | None = None  # off | fixed:K | heuristic | adaptive
     drafter: str | None = None  # model | ngram | hybrid
+    jump_forward: bool | None = None  # draft a grammar's forced tokens for free (default on)
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: exactly one of json (a schema), regex, grammar (Lark, or
+    llama.cpp's GBNF), choice or json_object."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+    json_schema: dict | None = Field(None, alias="json")
+    regex: str | None = None
+    grammar: str | None = None
+    choice: list[str] | None = None
+    json_object: bool | None = None
+
+    def structure(self) -> Structure:
+        given = {k: v for k, v in self.model_dump().items() if v not in (None, False)}
+        if len(given) != 1:
+            raise APIError(
+                400,
+                "structured_outputs takes exactly one of json, regex, grammar, choice, "
+                f"json_object; got {', '.join(given) or 'none'}",
+                param="structured_outputs",
+            )
+        ((kind, value),) = given.items()
+        kind = {"grammar": "lark"}.get(kind, kind)
+        return Structure(kind, None if kind == "json_object" else value)
+
+
+def response_format(fmt: dict) -> Structure | None:
+    """OpenAI's response_format: text (no structure), json_object or json_schema."""
+    kind = fmt.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Structure("json_object")
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise APIError(
+                400,
+                'response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}',
+                param="response_format.json_schema.schema",
+            )
+        return Structure("json_schema", spec["schema"])
+    raise APIError(
+        400,
+        f"response_format type {kind!r} is not one of text, json_object, json_schema",
+        param="response_format.type",
+    )
 
 
 class TextPart(BaseModel):
@@ -83,6 +139,8 @@ class _Request(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: dict | None = None
+    structured_outputs: StructuredOutputs | None = None  # extension (vLLM)
 
     def refuse_unsupported(self) -> None:
         """Options that would change the output and that specrt does not implement."""
@@ -92,11 +150,31 @@ class _Request(BaseModel):
                 f"n must be 1: this server returns one choice per request, got {self.n}",
                 param="n",
             )
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise APIError(400, f"{name} is not supported by specrt", param=name)
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported by specrt", param="logit_bias")
+
+    def structure(self) -> tuple[Structure | None, str]:
+        """What the output must match, and the field that asked (it names errors)."""
+        if self.structured_outputs is not None and self.response_format is not None:
+            raise APIError(
+                400,
+                "send response_format or structured_outputs, not both",
+                param="structured_outputs",
+            )
+        if self.structured_outputs is not None:
+            return self.structured_outputs.structure(), "structured_outputs"
+        if self.response_format is not None:
+            return response_format(self.response_format), "response_format"
+        return None, "response_format"
+
+    def logprobs_count(self) -> int | None:
+        """How many alternatives each token's log-probability comes with (None: not asked)."""
+        return None
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        return False
+
+    def tool_plan(self) -> Tools | None:
+        return None
 
     @property
     def token_limit(self) -> int | None:
@@ -127,6 +205,12 @@ class _Request(BaseModel):
             "max_draft": self.n_max,
             "ignore_eos": self.ignore_eos,
             "prediction": self.prediction.text if self.prediction else None,
+            "jump_forward": asked.jump_forward is not False,
+            "structure": self.structure()[0],
+            "logit_bias": _token_ids(self.logit_bias),
+            "presence_penalty": self.presence_penalty or 0.0,
+            "frequency_penalty": self.frequency_penalty or 0.0,
+            "logprobs": self.logprobs_count(),
         }
 
 
@@ -141,9 +225,12 @@ class CompletionRequest(_Request):
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.echo or self.suffix or (self.best_of or 1) > 1 or self.logprobs:
-            name = next(n for n in ("echo", "suffix", "best_of", "logprobs") if getattr(self, n))
+        if self.echo or self.suffix or (self.best_of or 1) > 1:
+            name = next(n for n in ("echo", "suffix", "best_of") if getattr(self, n))
             raise APIError(400, f"{name} is not supported by specrt", param=name)
+
+    def logprobs_count(self) -> int | None:
+        return self.logprobs
 
     def prompt_input(self) -> str | list[int]:
         """One text or one list of token ids; a batch of prompts would be several choices."""
@@ -163,12 +250,44 @@ class Message(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[dict] | None = None  # an assistant's calls, sent back in the next turn
+    tool_call_id: str | None = None  # a tool message answers this call
+    name: str | None = None
 
     def as_template_input(self) -> dict:
+        """The message as chat templates read it: calls' arguments as objects (OpenAI sends
+        them as JSON text; templates write them with tojson, as transformers passes them)."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
+        message = {"role": self.role, "content": content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [_template_call(call) for call in self.tool_calls]
+        for key in ("tool_call_id", "name"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
+        return message
+
+
+def _template_call(call: dict) -> dict:
+    function = dict(call.get("function") or {})
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        with contextlib.suppress(json.JSONDecodeError):
+            function["arguments"] = json.loads(arguments)
+    return {**call, "function": function}
+
+
+def _token_ids(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """logit_bias's keys are token ids written as strings."""
+    if not bias:
+        return None
+    try:
+        return {int(token): value for token, value in bias.items()}
+    except ValueError as err:
+        raise APIError(
+            400, f"logit_bias keys must be token ids: {err}", param="logit_bias"
+        ) from err
 
 
 class ChatRequest(_Request):
@@ -177,21 +296,37 @@ class ChatRequest(_Request):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, gt=0)
     logprobs: bool | None = None
+    top_logprobs: int | None = None
     tools: list[dict] | None = None
-    response_format: dict | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.logprobs:
-            raise APIError(400, "logprobs is not supported by specrt", param="logprobs")
-        if self.tools:
-            raise APIError(400, "tools are not supported by specrt", param="tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise APIError(400, "tool_choice needs tools", param="tool_choice")
+
+    def logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        plan = self.tool_plan()
+        return plan is not None and plan.parses
+
+    def tool_plan(self) -> Tools | None:
+        if not self.tools:
+            return None
+        plan = Tools(self.tools, self.tool_choice, self.parallel_tool_calls)
+        if plan.choice not in ("auto", "none") and self.structure()[0] is not None:
             raise APIError(
                 400,
-                "response_format other than text is not supported by specrt",
-                param="response_format",
+                "a required or named tool call and a response format cannot both be enforced",
+                param="tool_choice",
             )
+        return plan
 
     def prompt_input(self) -> list[dict]:
         return [m.as_template_input() for m in self.messages]
@@ -238,13 +373,18 @@ def finish_reason(result: Result) -> str:
 
 
 class Reply:
-    """The chunks and the whole response of one request, in the shape its endpoint uses."""
+    """The chunks and the whole response of one request, in the shape its endpoint uses: text,
+    log-probabilities where asked, and tool calls parsed from the text where tools were given
+    (streamed as one delta per whole call)."""
 
-    def __init__(self, chat: bool, model: str):
+    def __init__(self, chat: bool, model: str, tools: bool = False):
         self.chat, self.model = chat, model
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.sent_role = False
+        self.calls = CallStream() if tools else None
+        self.called = 0  # tool calls streamed so far
+        self.offset = 0  # characters of completion text before the next logprob entry
 
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
         return {
@@ -255,19 +395,30 @@ class Reply:
             "choices": choices,
         }
 
-    def chunk(self, text: str, finish: str | None = None) -> dict:
+    def chunk(
+        self, text: str, logprobs: list[TokenLogprob] | None = None, finish: str | None = None
+    ) -> dict:
+        calls: list[ToolCall] = []
+        if self.calls is not None:
+            text, calls = self.calls.feed(text, final=finish is not None)
         if not self.chat:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-            return self._envelope("text_completion", [choice])
+            choice = {"index": 0, "text": text, "logprobs": self._logprobs(logprobs)}
+            return self._envelope("text_completion", [{**choice, "finish_reason": finish}])
         delta: dict = {} if finish and not text else {"content": text}
+        if calls:
+            delta["tool_calls"] = [c.as_dict(self.called + i) for i, c in enumerate(calls)]
+            self.called += len(calls)
         if not self.sent_role:
             delta = {"role": "assistant", **delta}
             self.sent_role = True
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        return self._envelope("chat.completion.chunk", [choice])
+        choice = {"index": 0, "delta": delta, "logprobs": self._logprobs(logprobs)}
+        return self._envelope("chat.completion.chunk", [{**choice, "finish_reason": finish}])
 
     def last_chunk(self, result: Result) -> dict:
-        return {**self.chunk("", finish_reason(result)), "speculation": speculation(result)}
+        chunk = self.chunk("", finish=finish_reason(result))
+        if self.called and result.finish_reason in ("eos", "stop"):
+            chunk["choices"][0]["finish_reason"] = "tool_calls"
+        return {**chunk, "speculation": speculation(result)}
 
     def usage_chunk(self, result: Result) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
@@ -275,11 +426,50 @@ class Reply:
 
     def response(self, result: Result) -> dict:
         finish = finish_reason(result)
+        logprobs = self._logprobs(result.logprobs)
         if self.chat:
-            message = {"role": "assistant", "content": result.text}
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
-            body = self._envelope("chat.completion", [choice])
+            message: dict = {"role": "assistant", "content": result.text}
+            if self.calls is not None:
+                content, calls = parse_calls(result.text)
+                if calls:
+                    message = {"role": "assistant", "content": content or None}
+                    message["tool_calls"] = [call.as_dict() for call in calls]
+                    finish = "tool_calls" if result.finish_reason in ("eos", "stop") else finish
+            choice = {"index": 0, "message": message, "logprobs": logprobs}
+            body = self._envelope("chat.completion", [{**choice, "finish_reason": finish}])
         else:
-            choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": finish}
-            body = self._envelope("text_completion", [choice])
+            choice = {"index": 0, "text": result.text, "logprobs": logprobs}
+            body = self._envelope("text_completion", [{**choice, "finish_reason": finish}])
         return {**body, "usage": usage(result), "speculation": speculation(result)}
+
+    def _logprobs(self, entries: list[TokenLogprob] | None) -> dict | None:
+        """OpenAI's logprobs object: chat's `content` list, or completions' parallel lists."""
+        if not entries:
+            return None
+        if self.chat:
+            return {"content": [_chat_entry(e) for e in entries], "refusal": None}
+        offsets = []
+        for entry in entries:
+            offsets.append(self.offset)
+            self.offset += len(entry.text)
+        return {
+            "tokens": [e.text for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [
+                dict(zip(e.top_texts, (lp for _, lp in e.top), strict=True)) for e in entries
+            ],
+            "text_offset": offsets,
+        }
+
+
+def _chat_entry(entry: TokenLogprob) -> dict:
+    top = [
+        {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        for text, (_, logprob) in zip(entry.top_texts, entry.top, strict=True)
+    ]
+    return {
+        "token": entry.text,
+        "logprob": entry.logprob,
+        "bytes": list(entry.text.encode()),
+        "top_logprobs": top,
+    }

@@ -142,8 +142,15 @@ class LocalService:
         """The runtime's generation for a request (tokenizes: call it off the event loop)."""
         runtime, limit = self.runtime, body.token_limit
         prompt_field = "messages" if isinstance(body, ChatRequest) else "prompt"
+        options = body.runtime_options(self.settings.controller, self.settings.drafter)
+        tools, asked = body.tool_plan(), body.structure()[1]
         try:
-            ids = runtime.encode(body.prompt_input())
+            if tools is not None:
+                tools.check_template(runtime.tokenizer.chat_template)
+                structure = tools.structure(runtime.grammars)
+                if structure is not None:
+                    options["structure"], asked = structure, "tool_choice"
+            ids = runtime.encode(body.prompt_input(), tools.rendered if tools else None)
             room = runtime.bundle.max_context - len(ids)
             if limit is not None and limit > room:
                 raise APIError(
@@ -157,10 +164,11 @@ class LocalService:
                 ids,
                 max_new_tokens=min(limit or body.default_max_tokens or room, room),
                 timeout=self.settings.timeout,
-                **body.runtime_options(self.settings.controller, self.settings.drafter),
+                **options,
             )
         except SpecrtError as err:
-            raise APIError.from_specrt(err, prompt_field) from err
+            renames = {"structure": asked}
+            raise APIError.from_specrt(err, prompt_field, renames) from err
 
     async def open(self, body: Body) -> JobStream:
         _, worker = self.ready()

@@ -20,10 +20,10 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specrt.errors import SpecrtError
-from specrt.runtime import Generation, Result, Scheduler, SpeculativeRuntime
+from specrt.runtime import Generation, Result, Scheduler, SpeculativeRuntime, TokenLogprob
 from specrt.serve.errors import APIError
 from specrt.serve.metrics import Metrics
 
@@ -33,6 +33,7 @@ log = logging.getLogger("specrt.serve")
 @dataclass
 class Delta:
     text: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # where the request asked
 
 
 @dataclass
@@ -167,9 +168,9 @@ class Worker:
 
     def _report(self, generation: Generation) -> None:
         job = self._jobs[generation]
-        delta = generation.take()
-        if delta:
-            job.emit(Delta(delta))
+        delta, logprobs = generation.take(), generation.take_logprobs()
+        if delta or logprobs:
+            job.emit(Delta(delta, logprobs))
         result = generation.result
         if result is not None:
             with self._cond:

@@ -185,3 +185,26 @@ def test_bad_constraints_are_refused_by_name(runtime, options, param, message):
     with pytest.raises(SpecrtError, match=re.escape(message)) as caught:
         runtime.stream(PROMPT, **options)
     assert caught.value.param == param
+
+
+def test_specrt_generate_takes_a_schema_a_grammar_or_a_regex(runtime, bundles, tmp_path):
+    from click.testing import CliRunner
+
+    from specrt.cli import cli
+
+    schema = tmp_path / "contact.json"
+    schema.write_text(json.dumps(CONTACT))
+    grammar = tmp_path / "assign.lark"
+    grammar.write_text(STRUCTURES["lark"].value)
+    base = ["generate", str(bundles["qwen2"]), PROMPT, "--max-new-tokens", "80"]
+    for option, structure in (
+        (["--json-schema", str(schema)], STRUCTURES["schema"]),
+        (["--grammar", str(grammar)], STRUCTURES["lark"]),
+        (["--regex", STRUCTURES["regex"].value], STRUCTURES["regex"]),
+    ):
+        done = CliRunner().invoke(cli, [*base, *option])
+        assert done.exit_code == 0, done.output
+        want = runtime.generate(PROMPT, max_new_tokens=80, structure=structure)
+        assert done.output.rstrip("\n") == want.text
+    both = CliRunner().invoke(cli, [*base, "--regex", "a", "--grammar", str(grammar)])
+    assert both.exit_code != 0 and "one of" in both.output

@@ -216,6 +216,19 @@ def eval_command(
         )
 
 
+def _structure(json_schema: Path | None, grammar: Path | None, regex: str | None):
+    from specrt.runtime.grammar import Structure, load_structure
+
+    given = [g for g in (json_schema, grammar, regex) if g is not None]
+    if len(given) > 1:
+        raise click.UsageError("give one of --json-schema, --grammar, --regex")
+    if regex is not None:
+        return Structure("regex", regex)
+    if given:
+        return load_structure("json_schema" if json_schema else "lark", str(given[0]))
+    return None
+
+
 @cli.command()
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.argument("prompt")
@@ -255,6 +268,9 @@ def eval_command(
     help="Text the output should mostly repeat (OpenAI's Predicted Outputs): a free draft.",
 )
 @click.option("--show-accepted", is_flag=True, help="Colour text the drafts or prediction made.")
+@click.option("--json-schema", type=click.Path(path_type=Path), help="Output matches this schema.")
+@click.option("--grammar", type=click.Path(path_type=Path), help="... this Lark or GBNF grammar.")
+@click.option("--regex", help="... this regular expression.")
 def generate(
     bundle,
     prompt,
@@ -275,8 +291,12 @@ def generate(
     as_json,
     prediction_file,
     show_accepted,
+    json_schema,
+    grammar,
+    regex,
 ):
-    """Generate from PROMPT with speculative decoding."""
+    """Generate from PROMPT with speculative decoding (constrained by a JSON schema, a grammar
+    or a regular expression where given: exactly the constrained target's output)."""
     from specrt.display import LEGEND, accepted_text, format_stats, json_result
     from specrt.runtime import SpeculativeRuntime
 
@@ -294,6 +314,7 @@ def generate(
         stop=stop,
         speculate=not no_speculation,
         prediction=prediction_file.read_text(encoding="utf-8") if prediction_file else None,
+        structure=_structure(json_schema, grammar, regex),
     )
     for delta in generation:
         if stream and not as_json and not show_accepted:

@@ -284,35 +284,42 @@ def test_a_request_sampled_inside_a_batch_keeps_the_target_distribution(engines)
 # the language needs 6 letters, so it is never allowed within 4 tokens. Which letters may come
 # next depends on the position and the letter before: the mask changes row by row.
 PAIRS = "(a[b-g]|[b-g][a-d]){3,}"
+FORCED_PAIRS = "(ab|[c-g][a-d]){3,}"  # after "a", "b" is forced: drafted for free
 BIAS = {2: 1.5, 4: -1.0}
 PRESENCE, FREQUENCY = 0.8, 0.5
 
 
-def _pairs_allowed(output) -> np.ndarray:
-    """The letters PAIRS allows after output, worked out by hand (not by the grammar engine)."""
+def _pairs_allowed(output, grammar: str) -> np.ndarray:
+    """The letters a grammar allows after output, worked out by hand (not by the engine)."""
     allowed = np.zeros(VOCAB, dtype=bool)
+    forced = grammar == FORCED_PAIRS
     if len(output) % 2 == 0:
-        allowed[:7] = True  # a pair starts: any of a..g
+        allowed[:7] = True  # a pair starts: any of a..g...
+        allowed[1] = allowed[1] and not forced  # ...but b, in FORCED_PAIRS
     elif output[-1] == 0:
-        allowed[1:7] = True  # after "a": b..g
+        allowed[1 : 2 if forced else 7] = True  # after "a": b..g, or b alone
     else:
         allowed[:4] = True  # after one of b..g: a..d
     return allowed
 
 
-def _constrained_logits(logits: np.ndarray, output) -> np.ndarray:
-    """PAIRS, BIAS and the penalties applied to logits after output, by hand."""
-    out = logits.astype(np.float64).copy()
-    for token, bias in BIAS.items():
-        out[token] += bias
-    for token in set(output):
-        out[token] -= FREQUENCY * list(output).count(token) + PRESENCE
-    out[~_pairs_allowed(output)] = -np.inf
-    return out
+def _constrained(grammar: str):
+    """The grammar, BIAS and the penalties applied to logits after output, by hand."""
+
+    def process(logits: np.ndarray, output) -> np.ndarray:
+        out = logits.astype(np.float64).copy()
+        for token, bias in BIAS.items():
+            out[token] += bias
+        for token in set(output):
+            out[token] -= FREQUENCY * list(output).count(token) + PRESENCE
+        out[~_pairs_allowed(output, grammar)] = -np.inf
+        return out
+
+    return process
 
 
-def _pair_constraints(grammars: Grammars) -> Constraints:
-    grammar = grammars.compile(Structure("regex", PAIRS))
+def _pair_constraints(grammars: Grammars, regex: str = PAIRS) -> Constraints:
+    grammar = grammars.compile(Structure("regex", regex))
     return Constraints(
         grammar, logit_bias=BIAS, presence_penalty=PRESENCE, frequency_penalty=FREQUENCY
     )
@@ -331,15 +338,19 @@ def pair_grammars(tmp_path_factory) -> Grammars:
     return Grammars(folder / "tokenizer.json", VOCAB, [7])
 
 
-@pytest.mark.parametrize("draft", ["good", "bad", "ngram"])
+@pytest.mark.parametrize(
+    ("draft", "regex"),
+    [("good", PAIRS), ("bad", PAIRS), ("ngram", PAIRS), ("good", FORCED_PAIRS)],
+)
 def test_constrained_sampling_keeps_the_constrained_target_distribution(
-    engines, pair_grammars, draft
+    engines, pair_grammars, draft, regex
 ):
     """Under a grammar, logit_bias and both penalties, the target's distribution at each
     position is its processed one; speculation (model drafts within the grammar, lookups cut
-    where it refuses them, forced tokens) must sample exactly that, computed here by hand."""
+    where it refuses them, forced tokens ahead of and among model drafts) must sample exactly
+    that, computed here by hand."""
     params = PARAMS["temperature"]
-    exact = exact_distribution(engines["target"], params, _constrained_logits)
+    exact = exact_distribution(engines["target"], params, _constrained(regex))
 
     drafter = NgramDrafter(min_n=1, max_n=2) if draft == "ngram" else ModelDrafter(engines[draft])
     counts, acceptance_rate = sample_counts(
@@ -347,7 +358,7 @@ def test_constrained_sampling_keeps_the_constrained_target_distribution(
         engines["target"],
         params,
         lambda: Fixed(2),
-        constrain=lambda: _pair_constraints(pair_grammars),
+        constrain=lambda: _pair_constraints(pair_grammars, regex),
     )
     assert chi_square_p(counts, exact) > 1e-3
     assert 0.05 < acceptance_rate < 0.98  # both acceptance and rejection really occur
@@ -368,7 +379,7 @@ def test_the_test_catches_penalties_blind_to_the_drafts(engines, pair_grammars, 
 
     monkeypatch.setattr(Constraints, "apply_rows", stale)
     params = PARAMS["temperature"]
-    exact = exact_distribution(engines["target"], params, _constrained_logits)
+    exact = exact_distribution(engines["target"], params, _constrained(PAIRS))
     counts, _ = sample_counts(
         ModelDrafter(engines["good"]),
         engines["target"],

@@ -194,9 +194,10 @@ class SpeculativeRuntime:
                 frequency_penalty=frequency_penalty,
                 eos=self.eos_token_ids,
                 vocab=ids,
+                jump_forward=jump_forward,
             )
         if source is not None and structure is not None:
-            source = ConstrainedDrafter(source, constraints, jump_forward)
+            source = ConstrainedDrafter(source, constraints)
         rng = np.random.default_rng(seed)
         request = Request(self.encode(prompt), params, max_new_tokens, rng, policy, source)
         request.constraints, request.logprobs = constraints, check_top(logprobs)

@@ -39,7 +39,10 @@ class Constraints:
         frequency_penalty: float = 0.0,
         eos: frozenset[int] = frozenset(),
         vocab: int | None = None,
+        jump_forward: bool = True,
     ):
+        """jump_forward: offer the grammar's forced tokens as drafts (`forced`); off, drafts
+        come from the drafter alone (what a comparison without them needs)."""
         for name, value in (
             ("presence_penalty", presence_penalty),
             ("frequency_penalty", frequency_penalty),
@@ -49,7 +52,7 @@ class Constraints:
         self.grammar = grammar
         self.bias = _bias(logit_bias or {}, vocab)
         self.presence, self.frequency = presence_penalty, frequency_penalty
-        self.eos = eos
+        self.eos, self.jump_forward = eos, jump_forward
         self.tokens: list[int] = []  # the output up to the cursor
         self.counts: Counter[int] = Counter()
 
@@ -121,8 +124,9 @@ class Constraints:
         return self.grammar.accepts(tokens)
 
     def forced(self) -> list[int]:
-        """The tokens the grammar forces next ([] without one, or where it may end)."""
-        if self.grammar is None or self.grammar.finished:
+        """The tokens the grammar forces next ([] without one, where it may end, or with
+        jump_forward off)."""
+        if self.grammar is None or self.grammar.finished or not self.jump_forward:
             return []
         return self.grammar.forced()
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
@@ -36,12 +36,14 @@ class Offer:
     available: int  # the most tokens it can propose now (0: none this round)
     lag: int = 0  # tokens the draft model's cache must catch up on before it drafts
     free_ahead: int = 0  # tokens a free source (a prediction) expects to serve after this one
+    prefix: tuple[int, ...] = ()  # free tokens a model proposal starts with (a grammar's forced)
 
 
 @dataclass
 class Proposal:
     tokens: list[int] = field(default_factory=list)
     probs: list[np.ndarray | None] = field(default_factory=list)  # None: a point mass
+    steps: int = 0  # draft model calls it took (what the draft's cost curve is measured by)
 
 
 class Drafter(Protocol):
@@ -127,11 +129,12 @@ class DraftJob:
     # join the proposal for free, up to room tokens in all (default k).
     constraints: Constraints | None = None
     room: int | None = None
+    prefix: Sequence[int] = ()  # free tokens the proposal starts with, before any model step
 
     @property
     def limit(self) -> int:
         """The most tokens its proposal may hold."""
-        return self.k if self.room is None else self.room
+        return len(self.prefix) + self.k if self.room is None else self.room
 
 
 def draft_together(jobs: Sequence[DraftJob]) -> tuple[list[Proposal], float]:
@@ -142,11 +145,18 @@ def draft_together(jobs: Sequence[DraftJob]) -> tuple[list[Proposal], float]:
     Constraints end where they began: drafting walks them ahead and steps them back."""
     engine, ids = jobs[0].drafter.engine, jobs[0].drafter.ids
     last = engine.vocab_size - 1
-    proposals = [Proposal() for _ in jobs]
+    proposals = [Proposal(list(job.prefix), [None] * len(job.prefix)) for job in jobs]
     bases = [job.constraints.position if job.constraints else 0 for job in jobs]
+    for job in jobs:
+        if job.constraints is not None:
+            job.constraints.advance(job.prefix)
     feeds = {
-        i: [min(token, last) for token in job.seq[job.drafter.engine.lengths[job.drafter.slot] :]]
+        i: [
+            min(token, last)
+            for token in [*job.seq[job.drafter.engine.lengths[job.drafter.slot] :], *job.prefix]
+        ]
         for i, job in enumerate(jobs)
+        if job.k
     }
     start = time.perf_counter()
     for i, feed in feeds.items():
@@ -154,7 +164,6 @@ def draft_together(jobs: Sequence[DraftJob]) -> tuple[list[Proposal], float]:
             engine.forward_rows([(jobs[i].drafter.slot, feed[:-1])], last=1)
             feeds[i] = feed[-1:]
     catch_up = time.perf_counter() - start
-    steps = [0] * len(jobs)
     while feeds:
         calls = [(jobs[i].drafter.slot, feed) for i, feed in feeds.items()]
         rows = engine.forward_rows(calls, last=1)
@@ -169,10 +178,10 @@ def draft_together(jobs: Sequence[DraftJob]) -> tuple[list[Proposal], float]:
                 continue
             proposal.tokens.append(token)
             proposal.probs.append(probs)
-            steps[i] += 1
+            proposal.steps += 1
             feeds[i] = [token, *_follow(job, proposal, token)]
             ended = job.constraints is not None and token in job.constraints.eos
-            if ended or steps[i] == job.k or len(proposal.tokens) >= job.limit:
+            if ended or proposal.steps == job.k or len(proposal.tokens) >= job.limit:
                 del feeds[i]
     for job, base in zip(jobs, bases, strict=True):
         if job.constraints is not None:
@@ -274,13 +283,15 @@ class HybridDrafter:
 
 class ConstrainedDrafter:
     """A constrained request's drafter. Where its grammar forces the next tokens (keys, quotes,
-    braces, a fixed value), they are the round's draft, for free (SGLang's jump-forward, kept
-    lossless: they are verified like any draft); elsewhere its own drafter proposes, the draft
-    model within the grammar (`DraftJob.constraints`), a lookup cut where the grammar refuses
+    braces, a fixed value), they are drafted for free (SGLang's jump-forward, kept lossless:
+    they are verified like any draft): ahead of the draft model's proposal in the same round
+    where the model would draft now (`Offer.prefix`), alone otherwise. Elsewhere its own
+    drafter proposes: the draft model within the grammar (`DraftJob.constraints`, which also
+    appends the tokens forced after each drafted one), a lookup cut where the grammar refuses
     its tokens (a refused token could never be accepted: its constrained probability is 0)."""
 
-    def __init__(self, inner: Drafter | None, constraints: Constraints, jump_forward: bool = True):
-        self.inner, self.constraints, self.jump_forward = inner, constraints, jump_forward
+    def __init__(self, inner: Drafter | None, constraints: Constraints):
+        self.inner, self.constraints = inner, constraints
         self.name = inner.name if inner is not None else "forced"
         self.model = inner.model if inner is not None else None
         self._forced: list[int] = []
@@ -290,10 +301,17 @@ class ConstrainedDrafter:
             self.inner.start(prompt, slot)
 
     def offer(self, seq: Sequence[int], limit: int) -> Offer:
-        self._forced = self.constraints.forced()[: max(0, limit)] if self.jump_forward else []
-        if self._forced:
-            return Offer("forced", len(self._forced))
-        return self.inner.offer(seq, limit) if self.inner is not None else Offer("none", 0)
+        """The forced tokens, if any: alone, or ahead of the draft model's proposal where the
+        model would draft now (one verify call for both); else the drafter's own offer."""
+        forced = self.constraints.forced()[: max(0, limit)]
+        offer = self.inner.offer(seq, limit) if self.inner is not None else Offer("none", 0)
+        self._forced = []
+        if forced and offer.source == "model":
+            return replace(offer, available=max(0, limit - len(forced)), prefix=tuple(forced))
+        if forced:
+            self._forced = forced
+            return Offer("forced", len(forced))
+        return offer
 
     def propose(self, seq, k, params, rng, threshold) -> Proposal:
         if self._forced:

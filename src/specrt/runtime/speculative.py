@@ -133,7 +133,8 @@ def speculate(reqs: list[Request], target: Engine, costs: StepCosts) -> Round:
         emitted.append(kept)
         logprobs.append(_logprobs(r, scores, kept))
     drafted = [len(p.tokens) for p in proposals]
-    _observe_costs(costs, offers, drafted, t1 - t0 - catch_up, t2 - t1)
+    steps = [p.steps for p in proposals]
+    _observe_costs(costs, drafted, steps, t1 - t0 - catch_up, t2 - t1)
     sources = [o.source if n else "none" for o, n in _pairs(offers, drafted)]
     return Round(decisions, sources, drafted, accepted, emitted, t1 - t0, t2 - t1, logprobs)
 
@@ -149,10 +150,10 @@ def _pairs(first: list, second: list):
     return zip(first, second, strict=True)
 
 
-def _draft_job(r: Request, k: int, room: int) -> DraftJob:
+def _draft_job(r: Request, k: int, room: int, offer: Offer) -> DraftJob:
     threshold = r.policy.confidence_threshold
     model = r.drafter.model
-    return DraftJob(model, r.seq, k, r.params, r.rng, threshold, r.constraints, room)
+    return DraftJob(model, r.seq, k, r.params, r.rng, threshold, r.constraints, room, offer.prefix)
 
 
 def _propose(reqs: list[Request], offers: list[Offer], decisions: list[Decision], rooms):
@@ -161,22 +162,23 @@ def _propose(reqs: list[Request], offers: list[Offer], decisions: list[Decision]
     proposals = [Proposal() for _ in reqs]
     together, catch_up = [], 0.0
     for i, (r, offer, decision) in enumerate(zip(reqs, offers, decisions, strict=True)):
-        if decision.k and offer.source == "model":
+        if offer.source == "model" and (decision.k or offer.prefix):
             together.append(i)
         elif decision.k:
             threshold = r.policy.confidence_threshold
             proposals[i] = r.drafter.propose(r.seq, decision.k, r.params, r.rng, threshold)
     if together:
-        jobs = [_draft_job(reqs[i], decisions[i].k, rooms[i]) for i in together]
+        jobs = [_draft_job(reqs[i], decisions[i].k, rooms[i], offers[i]) for i in together]
         drafted, catch_up = draft_together(jobs)
         for i, proposal in zip(together, drafted, strict=True):
             proposals[i] = proposal
     return proposals, catch_up
 
 
-def _observe_costs(costs, offers, drafted, draft_s: float, verify_s: float) -> None:
-    """Refine the cost curves with what this round's calls took."""
+def _observe_costs(costs, drafted, steps, draft_s: float, verify_s: float) -> None:
+    """Refine the cost curves with what this round's calls took (the draft's by its model
+    steps: forced tokens and lookups cost it nothing)."""
     costs.observe_verify(len(drafted) * (max(drafted) + 1), verify_s)
-    model = [n for o, n in zip(offers, drafted, strict=True) if o.source == "model" and n]
+    model = [n for n in steps if n]
     if model:
         costs.observe_draft(draft_s, max(model), len(model))

@@ -8,6 +8,7 @@ do depend on the batch (a target built to differ on odd calls, on every machine)
 from __future__ import annotations
 
 import pytest
+from batch_runs import alone_and_together
 from row_checks import BATCHES, mismatches
 
 from specrt.bundle import Bundle
@@ -91,17 +92,11 @@ def test_every_request_in_a_batch_gives_its_output_alone(
     """Six requests through 3 slots (joining and leaving between rounds) against each run alone:
     greedy outputs must be identical, token for token, on a float32 and an int4 target, and on
     one whose odd calls differ (padded as its probe found)."""
-    from specrt.runtime import Scheduler, SpeculativeRuntime
+    from specrt.runtime import SpeculativeRuntime
 
     for bundle in (bundles["llama"], precision_bundles["d-int8_t-int4"], odd_rows_bundle):
         runtime = SpeculativeRuntime.load(bundle, slots=3, calibrate=False, threads=2)
-        alone = [runtime.generate(p, ignore_eos=True, **o).token_ids for p, o in REQUESTS]
-        scheduler = Scheduler(runtime.target, runtime.costs, slots=3)
-        generations = [runtime.stream(p, ignore_eos=True, **o) for p, o in REQUESTS]
-        for generation in generations:
-            scheduler.add(generation)
-        sizes = set()
-        while any(g.result is None for g in generations):
-            sizes.add(scheduler.step().batch)
-        assert [g.result.token_ids for g in generations] == alone
+        requests = [(p, {"ignore_eos": True, **o}) for p, o in REQUESTS]
+        alone, together, sizes = alone_and_together(runtime, requests, slots=3)
+        assert together == alone
         assert {2, 3} <= sizes  # rounds of several requests really ran

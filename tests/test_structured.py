@@ -15,9 +15,10 @@ import re
 import jsonschema
 import numpy as np
 import pytest
+from batch_runs import alone_and_together
 
 from specrt.errors import SpecrtError
-from specrt.runtime import Scheduler, SpeculativeRuntime, Structure
+from specrt.runtime import SpeculativeRuntime, Structure
 
 CONTACT = {
     "type": "object",
@@ -109,15 +110,8 @@ BATCH = [  # constrained, penalised and plain requests sharing rounds
 
 
 def test_every_constrained_request_in_a_batch_gives_its_output_alone(runtime):
-    alone = [runtime.generate(p, **o).token_ids for p, o in BATCH]
-    scheduler = Scheduler(runtime.target, runtime.costs, slots=4)
-    generations = [runtime.stream(p, **o) for p, o in BATCH]
-    for generation in generations:
-        scheduler.add(generation)
-    sizes = set()
-    while any(g.result is None for g in generations):
-        sizes.add(scheduler.step().batch)
-    assert [g.result.token_ids for g in generations] == alone
+    alone, together, sizes = alone_and_together(runtime, BATCH, slots=4)
+    assert together == alone
     assert max(sizes) >= 3
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specrt import machine
+from specrt import llamacpp, machine
 from specrt.bundle import Bundle
 from specrt.files import write_bytes_atomic, write_json_atomic
 from specrt.quality import recorded_quality
@@ -257,6 +257,17 @@ def specrt_runner(
     return run
 
 
+def llamacpp_runner(base: str, max_new_tokens: int, stop_at_eos: bool = False):
+    """llama-server's greedy completion of the same token ids (EOS ignored unless
+    stop_at_eos); its token times are when each streamed chunk arrived."""
+
+    def run(ids: list[int], _index: int | None = None) -> Run:
+        tokens, times = llamacpp.complete(base, ids, max_new_tokens, not stop_at_eos)
+        return Run(tokens, times[-1], times[0], times)
+
+    return run
+
+
 def measure(name: str, runner, prompt_ids: list[list[int]], repeat: int, log: Log) -> tuple:
     runner(prompt_ids[0][:32])  # warm-up: first calls allocate and pick kernels
     runs, outputs = [], []
@@ -328,6 +339,7 @@ def run_bench(
     threads: int | None = None,
     genai_models: dict[str, Path] | None = None,
     stop_at_eos: bool = False,
+    llama_cpp: str | Path | None = None,
     log: Log = print,
 ) -> dict:
     """Baselines from the first bundle's recorded sources, then specrt rows for every bundle.
@@ -336,7 +348,8 @@ def run_bench(
     (specrt_adaptive_d-int4_t-fp32); genai_models maps a label ("" or "int4") to a model folder.
     Every row ignores EOS and generates max_new_tokens, unless stop_at_eos: then each stops
     where the model ends its answer (as Spec-Bench runs), and greedy rows still match token for
-    token, so their lengths agree.
+    token, so their lengths agree. llama.cpp's rows (`llama_cpp`: where llama-server is; see
+    llamacpp.py) run the GGUF files the first GGUF-built bundle came from.
     """
     paths = [Path(bundle_paths)] if isinstance(bundle_paths, str | Path) else list(bundle_paths)
     bundles = [Bundle.load(path) for path in paths]
@@ -371,6 +384,9 @@ def run_bench(
             else:
                 record(name, genai_runner(folder, max_new_tokens, stop_at_eos))
                 gc.collect()
+    notes += _llamacpp_rows(
+        bundles, llama_cpp, max_new_tokens, threads, stop_at_eos, wanted, record
+    )
     for bundle in bundles:
         label = bundle.precision_label
         suffix = "" if label == "d-fp32_t-fp32" else f"_{label}"
@@ -410,6 +426,32 @@ def run_bench(
         "peak_rss_mb": peak_rss_mb(),
         "notes": notes,
     }
+
+
+def llamacpp_names(bundle: Bundle) -> tuple[str, str]:
+    return "llamacpp_target_only", f"llamacpp_draft_{bundle.max_draft}"
+
+
+def _llamacpp_rows(bundles, hint, max_new_tokens, threads, stop_at_eos, wanted, record):
+    """llama-server alone and with the draft GGUF (K_max drafts, as the bundle allows), one
+    server at a time; returns the notes of what was skipped and why."""
+    built = [b for b in bundles if "target" in llamacpp.gguf_sources(b)]
+    if not built or not any(wanted(n) for n in llamacpp_names(built[0])):
+        return [] if built else ["llama.cpp rows skipped: no bundle built from GGUF files on disk"]
+    binary = llamacpp.find_server(hint)
+    if binary is None:
+        return [llamacpp.MISSING]
+    bundle, files = built[0], llamacpp.gguf_sources(built[0])
+    alone, drafted = llamacpp_names(bundle)
+    for name, draft in ((alone, None), (drafted, files.get("draft"))):
+        if not wanted(name) or (name == drafted and draft is None):
+            continue
+        spec = llamacpp.ServerSpec(
+            binary, files["target"], draft, bundle.max_draft, threads, bundle.max_context
+        )
+        with llamacpp.serving(spec) as base:
+            record(name, llamacpp_runner(base, max_new_tokens, stop_at_eos))
+    return []
 
 
 def cost_report(rt: SpeculativeRuntime) -> dict:

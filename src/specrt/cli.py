@@ -394,6 +394,7 @@ def demo(tiny: bool, max_new_tokens: int | None):
     help="[LABEL=]DIR: an ONNX Runtime GenAI build of the same target; adds the row ort_genai "
     "(or ort_genai_LABEL, e.g. int4=DIR). Repeatable.",
 )
+@click.option("--llama-cpp", help="llama-server (or its folder): adds llama.cpp's rows.")
 def bench(
     bundles,
     prompt_files,
@@ -408,6 +409,7 @@ def bench(
     out,
     name,
     genai_models,
+    llama_cpp,
 ):
     """Benchmark every configuration side by side: JSON, Markdown table and PNG chart.
 
@@ -454,6 +456,7 @@ def bench(
         threads=threads,
         genai_models=genai,
         stop_at_eos=stop_at_eos,
+        llama_cpp=llama_cpp,
         log=_log,
     )
     for path in write_report(result, out, stem, log=_log):

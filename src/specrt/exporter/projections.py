@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from specrt.errors import SpecrtError
-from specrt.exporter.gguf_blocks import MINIMUM_SUMS, SUMS_BLOCK, Blocks
+from specrt.exporter.gguf_blocks import SUMS_BLOCK, Blocks
 from specrt.exporter.precision import Precision
 
 # Float rounding of the scales (d*sc, and the offsets' c*d - m) is all that may differ.
@@ -91,7 +91,7 @@ class GgufProjections(QuantizedProjections):
 
     def __init__(self, block_size: int, accuracy_level: int) -> None:
         super().__init__(4, block_size, accuracy_level)
-        self.sums: dict[tuple[str, int], str] = {}  # (x, group) -> its sums
+        self.sums: dict[str, str] = {}  # x -> its sums over each 32 inputs (q/k/v share one)
 
     def linear(self, b, x: str, source: str, name: str) -> str:
         kind = b.tensors.kind(source)
@@ -108,64 +108,37 @@ class GgufProjections(QuantizedProjections):
 
     def _blocks(self, b, x: str, source: str, name: str, form: Blocks) -> str:
         outputs, inputs = b.tensors.shape(source)
-        parts: dict[str, list[np.ndarray]] = {}  # the small side parts, band by band
+        offsets: list[np.ndarray] = []
 
         def bands():
             for start, rows in b.tensors.bands(source):
                 blocks = b.tensors.blocks(source, slice(start, start + len(rows)))
                 _check_exact(blocks, rows, source)
-                for part, array in _side_parts(blocks).items():
-                    parts.setdefault(part, []).append(array)
+                if blocks.offsets is not None:
+                    offsets.append(blocks.offsets)
                 yield blocks.packed(), blocks.scales
 
         base = f"gguf.{name}.weight_t"
         packed, scales = _split_bands(b, bands(), f"{base}.B")
-        extra = {}
-        if "zero_points" in parts:
-            extra["zero_points"] = b.weight(f"{base}.B.zero_points", _joined(parts, "zero_points"))
         shape = (inputs, outputs, form.bits, form.block_size)
-        product = _matmul_nbits(b, x, packed, scales, shape, self.accuracy_level, **extra)
-        if "offsets" in parts:  # [K/32, N]: outputs run along the second axis
-            table = b.weight(f"{base}.offsets", np.hstack(parts["offsets"]))
-            shift = b.op("MatMul", self._sums(b, x, inputs, SUMS_BLOCK), table)
-            product = b.op("Sub", product, shift)
-        if "minimum_codes" in parts:
-            codes = b.weight(f"{base}.minimums", _joined(parts, "minimum_codes"))
-            minimum_scales = b.weight(f"{base}.minimums.scales", _joined(parts, "minimum_scales"))
-            sums = self._sums(b, x, inputs, MINIMUM_SUMS)
-            shape = (inputs // MINIMUM_SUMS, outputs, 8, MINIMUM_SUMS)
-            shift = _matmul_nbits(b, sums, codes, minimum_scales, shape, self.accuracy_level)
-            product = b.op("Sub", product, shift)
-        return product
+        product = _matmul_nbits(b, x, packed, scales, shape, self.accuracy_level)
+        if not offsets:
+            return product
+        table = b.weight(f"{base}.offsets", np.hstack(offsets))  # [K/32, N]
+        shift = b.op("MatMul", self._sums(b, x, inputs), table)
+        return b.op("Sub", product, shift)
 
-    def _sums(self, b, x: str, inputs: int, group: int) -> str:
-        """[..., K] -> sums over each `group` inputs [..., K/group], whatever the rank; once per
-        x and group (q/k/v and gate/up share theirs)."""
-        if (x, group) not in self.sums:
+    def _sums(self, b, x: str, inputs: int) -> str:
+        """[..., K] -> sums over each 32 inputs [..., K/32], whatever the rank; once per x."""
+        if x not in self.sums:
             lead = b.op("Shape", x, end=-1)
-            shape = b.op("Concat", lead, b.const([inputs // group, group]), axis=0)
+            shape = b.op("Concat", lead, b.const([inputs // SUMS_BLOCK, SUMS_BLOCK]), axis=0)
             grouped = b.op("Reshape", x, shape)
-            self.sums[x, group] = b.op("ReduceSum", grouped, b.const([-1]), keepdims=0)
-        return self.sums[x, group]
+            self.sums[x] = b.op("ReduceSum", grouped, b.const([-1]), keepdims=0)
+        return self.sums[x]
 
 
-def _side_parts(blocks: Blocks) -> dict[str, np.ndarray]:
-    """What a band adds beside its packed codes and scales; absent parts are left out."""
-    parts = {"zero_points": blocks.zero_points(), "offsets": blocks.offsets}
-    if blocks.minimums is not None:
-        parts["minimum_codes"] = blocks.minimums.codes
-        parts["minimum_scales"] = blocks.minimums.scales.reshape(-1)
-    return {part: array for part, array in parts.items() if array is not None}
-
-
-def _joined(parts: dict[str, list[np.ndarray]], part: str) -> np.ndarray:
-    """The bands of a part stacked along the outputs (its first axis)."""
-    return np.ascontiguousarray(np.concatenate(parts[part]))
-
-
-def _matmul_nbits(
-    b, x: str, packed: str, scales: str, shape: tuple, level: int, zero_points: str | None = None
-) -> str:
+def _matmul_nbits(b, x: str, packed: str, scales: str, shape: tuple, level: int) -> str:
     """x @ W for W in MatMulNBits blocks; shape is (K inputs, N outputs, bits, block size)."""
     inputs, outputs, bits, block_size = shape
     return b.op(
@@ -173,7 +146,6 @@ def _matmul_nbits(
         x,
         packed,
         scales,
-        *([zero_points] if zero_points else []),
         domain="com.microsoft",
         K=inputs,
         N=outputs,

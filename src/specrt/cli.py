@@ -340,11 +340,14 @@ def generate(
     help="Tiny random models built offline, instead of the built-in real pair (configs/demo.yaml).",
 )
 @click.option("--max-new-tokens", type=int, default=None, help="Default: the demo config's.")
-def demo(tiny: bool, max_new_tokens: int | None):
+@click.option(
+    "--float32-target", is_flag=True, help="Build the target as float32 instead of its GGUF blocks."
+)
+def demo(tiny: bool, max_new_tokens: int | None, float32_target: bool):
     """Pull, build (once, cached) and run a draft/target pair, with and without speculation."""
     from specrt.demo import demo_config, real_bundle, run_comparison, tiny_bundle
 
-    config = demo_config()
+    config = demo_config() | ({"target_precision": "fp32"} if float32_target else {})
     bundle = tiny_bundle(_log) if tiny else real_bundle(config, _log)
     prompt = "def fibonacci(n):" if tiny else config["prompt"]
     chat = not tiny and config.get("chat", False)
@@ -395,6 +398,11 @@ def demo(tiny: bool, max_new_tokens: int | None):
     "(or ort_genai_LABEL, e.g. int4=DIR). Repeatable.",
 )
 @click.option("--llama-cpp", help="llama-server (or its folder): adds llama.cpp's rows.")
+@click.option(
+    "--llama-cpp-drafts",
+    default=None,
+    help="Comma-separated draft lengths for llama.cpp's draft rows (default: the bundle's K_max).",
+)
 def bench(
     bundles,
     prompt_files,
@@ -410,6 +418,7 @@ def bench(
     name,
     genai_models,
     llama_cpp,
+    llama_cpp_drafts,
 ):
     """Benchmark every configuration side by side: JSON, Markdown table and PNG chart.
 
@@ -429,6 +438,7 @@ def bench(
     if not prompts:
         raise SpecrtError("no prompts left: check --categories against the prompt files")
     stem = name or Path(bundles[0]).resolve().name
+    drafts = tuple(int(n) for n in llama_cpp_drafts.split(",")) if llama_cpp_drafts else None
     if concurrency:
         from specrt.concurrency import bench_concurrency
 
@@ -444,6 +454,8 @@ def bench(
             out,
             stem,
             _log,
+            llama_cpp,
+            drafts,
         )
         click.echo(report)
         return
@@ -457,6 +469,7 @@ def bench(
         genai_models=genai,
         stop_at_eos=stop_at_eos,
         llama_cpp=llama_cpp,
+        llama_drafts=drafts,
         log=_log,
     )
     for path in write_report(result, out, stem, log=_log):

@@ -8,7 +8,12 @@ output is compared with the same prompt run alone (a batch of one, adaptive spec
 output the test suite holds equal to the target alone): `identical_to_alone`.
 
 Configurations: the target alone (batched, K = 0), fixed K = 1, 2, 4, and adaptive; names carry
-the bundle's precision label as `specrt bench` rows do.
+the bundle's precision label as `specrt bench` rows do. Where the first bundle was built from GGUF
+files still on disk and a llama-server is found (see llamacpp.py), llama.cpp serves the same
+levels on those files, alone and with its draft model: `concurrency` client threads over HTTP,
+its own slots (as many as the highest level), the same token ids. Each of its outputs is compared
+with its own output for that prompt at one client, so a change with load shows as it does for
+specrt's; `matches_specrt` counts how many of its one-client outputs equal specrt's.
 """
 
 from __future__ import annotations
@@ -16,16 +21,21 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from specrt import machine
+from specrt import llamacpp, machine
 from specrt.bench import current_rss_mb, fmt, padding_lines, row_padding, write_report
+from specrt.bundle import Bundle
 from specrt.errors import SpecrtError
 from specrt.runtime import Generation, Scheduler, SpeculativeRuntime
+from specrt.runtime.generation import per_token_latencies
 
 Log = Callable[[str], None]
+LLAMA = "llama.cpp"  # the bundle label of llama-server's rows
 CONFIGS = {
     "target_only": {"speculate": False},
     "fixed_1": {"controller": "fixed:1"},
@@ -35,8 +45,32 @@ CONFIGS = {
 }
 
 
+@dataclass(frozen=True)
+class Served:
+    """One finished request, as any engine's closed loop records it (perf_counter seconds)."""
+
+    index: int  # the prompt's
+    sent: float
+    first: float  # when its first token arrived
+    end: float
+    tokens: list[int]
+    latencies: list[float]  # seconds per token after the first
+    ks: tuple[int, ...] = ()  # the K of each speculative round (specrt's)
+
+
 def bench_concurrency(
-    bundles, prompts, levels: str, max_new_tokens, repeat, only, threads, out, stem, log: Log
+    bundles,
+    prompts,
+    levels: str,
+    max_new_tokens,
+    repeat,
+    only,
+    threads,
+    out,
+    stem,
+    log: Log,
+    llama_cpp=None,
+    llama_drafts: tuple[int, ...] | None = None,
 ) -> str:
     """The CLI's `--concurrency 1,2,4`: run, write JSON/Markdown/PNG, return the Markdown."""
     try:
@@ -53,6 +87,8 @@ def bench_concurrency(
         repeat=repeat,
         only=only,
         threads=threads,
+        llama_cpp=llama_cpp,
+        llama_drafts=llama_drafts,
         log=log,
     )
     for path in write_report(result, out, stem, log=log, render=markdown, draw=chart):
@@ -74,7 +110,7 @@ def run_level(
     todo = deque((i % len(prompts)) for i in range(count))
     sent: dict[Generation, tuple[int, float]] = {}
     first: dict[Generation, float] = {}
-    done: list[tuple[Generation, float]] = []
+    done: list[Served] = []
     start = time.perf_counter()
     while todo or scheduler.running or scheduler.waiting:
         while todo and scheduler.has_room:
@@ -90,25 +126,64 @@ def run_level(
             if generation.stops.tokens:
                 first.setdefault(generation, now)
             if generation.result is not None:
-                done.append((generation, now))
-    seconds = time.perf_counter() - start
-    return _figures(done, sent, first, alone, seconds)
+                index, at = sent[generation]
+                stats = generation.result.stats
+                done.append(
+                    Served(
+                        index,
+                        at,
+                        first[generation],
+                        now,
+                        generation.result.token_ids,
+                        stats.token_latencies(),
+                        tuple(stats.ks),
+                    )
+                )
+    return _figures(done, alone, time.perf_counter() - start)
 
 
-def _figures(done, sent, first, alone, seconds: float) -> dict:
-    tokens = sum(len(g.result.token_ids) for g, _ in done)
-    per_request = [len(g.result.token_ids) / (end - sent[g][1]) for g, end in done]
-    ttft = [first[g] - sent[g][1] for g, _ in done]
-    latencies = [x for g, _ in done for x in g.result.stats.token_latencies()]
-    ks = [k for g, _ in done for k in g.result.stats.ks]
-    same = [g.result.token_ids == alone[sent[g][0]] for g, _ in done]
+def llama_level(
+    base: str,
+    prompts: list[list[int]],
+    concurrency: int,
+    max_new_tokens: int,
+    alone: dict[int, list[int]],
+) -> dict:
+    """llama-server under the same closed loop: `concurrency` clients, each sending its next
+    request as soon as its last one ends, the same count of requests as specrt's levels."""
+    todo = deque((i % len(prompts)) for i in range(max(4, 2 * concurrency)))
+    done: list[Served] = []
+
+    def client() -> None:
+        while todo:
+            try:
+                index = todo.popleft()
+            except IndexError:  # another client took the last one
+                return
+            sent = time.perf_counter()
+            tokens, times = llamacpp.complete(base, prompts[index], max_new_tokens)
+            latencies = per_token_latencies(times, times[0])
+            done.append(Served(index, sent, sent + times[0], sent + times[-1], tokens, latencies))
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        for future in [pool.submit(client) for _ in range(concurrency)]:
+            future.result()
+    return _figures(done, alone, time.perf_counter() - start)
+
+
+def _figures(done: list[Served], alone: dict[int, list[int]], seconds: float) -> dict:
+    per_request = [len(s.tokens) / (s.end - s.sent) for s in done]
+    latencies = [x for s in done for x in s.latencies]
+    ks = [k for s in done for k in s.ks]
+    same = [s.tokens == alone[s.index] for s in done]
     return {
         "requests": len(done),
-        "tokens": tokens,
+        "tokens": sum(len(s.tokens) for s in done),
         "seconds": round(seconds, 3),
-        "aggregate_tokens_per_s": tokens / seconds,
+        "aggregate_tokens_per_s": sum(len(s.tokens) for s in done) / seconds,
         "per_request_tokens_per_s": float(np.mean(per_request)),
-        "ttft_p50_ms": 1000 * float(np.percentile(ttft, 50)),
+        "ttft_p50_ms": 1000 * float(np.percentile([s.first - s.sent for s in done], 50)),
         "per_token_p50_ms": 1000 * float(np.percentile(latencies, 50)),
         "per_token_p99_ms": 1000 * float(np.percentile(latencies, 99)),
         "mean_k": float(np.mean(ks)) if ks else 0.0,
@@ -126,12 +201,16 @@ def run_concurrency(
     repeat: int = 1,
     only: Sequence[str] | None = None,
     threads: int | None = None,
+    llama_cpp: str | Path | None = None,
+    llama_drafts: tuple[int, ...] | None = None,
     log: Log = print,
 ) -> dict:
     """Every configuration at every level, for every bundle, side by side in one run. With
     repeat, each level runs every configuration in turn, `repeat` times over, so that a slow
-    spell of a shared machine falls on all of them; a level reports the median run."""
-    entries, costs, padding = [], {}, {}
+    spell of a shared machine falls on all of them; a level reports the median run. llama.cpp's
+    rows (`llama_cpp`: where llama-server is) follow, on the first bundle's GGUF files, with its
+    draft model at each of `llama_drafts` (default: the bundle's K_max) drafted tokens."""
+    entries, costs, padding, first = [], {}, {}, None
     for path in bundle_paths:
         log(f"loading {path} with {max(levels)} slots (and calibrating the batch cost curves)")
         rt = SpeculativeRuntime.load(path, slots=max(levels), threads=threads)
@@ -143,6 +222,7 @@ def run_concurrency(
             i: rt.generate(p, max_new_tokens=max_new_tokens, ignore_eos=True).token_ids
             for i, p in enumerate(ids)
         }
+        first = first or (rt.bundle, ids, alone)
         configs = {
             f"{config}_{label}": (config, options)
             for config, options in CONFIGS.items()
@@ -164,6 +244,12 @@ def run_concurrency(
                 entry = {"name": name, "config": config, "bundle": label, "concurrency": level}
                 entries.append({**entry, **_median(runs[name, level]), "rss_mb": current_rss_mb()})
         del rt
+    notes = []
+    if first is not None and (not only or any(name.startswith("llamacpp") for name in only)):
+        bundle, ids, alone = first
+        servers, notes = _llama_servers(bundle, llama_cpp, llama_drafts, threads, max(levels), only)
+        for name, spec in servers.items():
+            entries += _llama_entries(name, spec, ids, alone, levels, max_new_tokens, repeat, log)
     return {
         "kind": "concurrency",
         "machine": machine.describe(threads),
@@ -179,7 +265,58 @@ def run_concurrency(
         "verify_ms_by_rows": costs,
         "row_padding": padding,
         "goals": goals(entries),
+        "notes": notes,
     }
+
+
+def _llama_servers(
+    bundle: Bundle, hint, drafts, threads, slots: int, only
+) -> tuple[dict[str, llamacpp.ServerSpec], list[str]]:
+    """The llama-servers to run on the bundle's GGUF files, by row name, and the notes of
+    what was skipped and why."""
+    if "target" not in llamacpp.gguf_sources(bundle):
+        return {}, ["llama.cpp rows skipped: the first bundle was not built from GGUF on disk"]
+    binary = llamacpp.find_server(hint)
+    if binary is None:
+        return {}, [llamacpp.MISSING]
+    specs = llamacpp.server_specs(bundle, binary, drafts, threads, slots)
+    wanted = {name: spec for name, spec in specs.items() if not only or name in only}
+    return wanted, []
+
+
+def _llama_entries(
+    name: str,
+    spec: llamacpp.ServerSpec,
+    ids: list[list[int]],
+    specrt_alone: dict[int, list[int]],
+    levels: Sequence[int],
+    max_new_tokens: int,
+    repeat: int,
+    log: Log,
+) -> list[dict]:
+    """One llama-server at every level; its outputs at one client first, to compare with."""
+    entries = []
+    with llamacpp.serving(spec) as base:
+        alone = {i: llamacpp.complete(base, p, max_new_tokens)[0] for i, p in enumerate(ids)}
+        matches = sum(alone[i] == specrt_alone[i] for i in alone)
+        for level in levels:
+            runs = [llama_level(base, ids, level, max_new_tokens, alone) for _ in range(repeat)]
+            figures = _median(runs)
+            log(
+                f"  {name} x{level}: {figures['aggregate_tokens_per_s']:.1f} tok/s, "
+                f"identical {figures['identical_to_alone']}"
+            )
+            entries.append(
+                {
+                    "name": name,
+                    "config": "llamacpp_draft" if spec.draft else name,
+                    "bundle": LLAMA,
+                    "concurrency": level,
+                    **figures,
+                    "matches_specrt": f"{matches}/{len(alone)}",
+                }
+            )
+    return entries
 
 
 def _median(runs: list[dict]) -> dict:
@@ -209,6 +346,8 @@ def goals(entries: list[dict]) -> list[dict]:
                 continue
             best = max(here, key=lambda e: e["aggregate_tokens_per_s"])
             rate = adaptive["aggregate_tokens_per_s"]
+            llama = [e for e in entries if e["bundle"] == LLAMA and e["concurrency"] == level]
+            llama_best = max(llama, key=lambda e: e["aggregate_tokens_per_s"], default=None)
             out.append(
                 {
                     "bundle": label,
@@ -222,6 +361,10 @@ def goals(entries: list[dict]) -> list[dict]:
                     "adaptive_vs_best": rate / best["aggregate_tokens_per_s"],
                     "best": best["name"],
                     "adaptive_mean_k": adaptive["mean_k"],
+                    "adaptive_vs_llamacpp_best": rate / llama_best["aggregate_tokens_per_s"]
+                    if llama_best
+                    else None,
+                    "llamacpp_best": llama_best["name"] if llama_best else None,
                 }
             )
     return out
@@ -247,9 +390,7 @@ def markdown(result: dict) -> str:
         cells = []
         for level in levels:
             e = _level(entries, name, level)
-            cells.append(
-                "–" if e is None else f"{e['aggregate_tokens_per_s']:.1f} (K {e['mean_k']:.1f})"
-            )
+            cells.append(_rate_cell(e))
         same = all(e["identical_to_alone"] for e in entries if e["name"] == name)
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {'yes' if same else 'NO'} |")
     lines += [
@@ -275,18 +416,42 @@ def markdown(result: dict) -> str:
         "Goals (adaptive's aggregate tokens/s against single-stream adaptive, the batched "
         "target alone, and the best configuration at that concurrency):",
         "",
-        "| bundle | concurrency | vs single stream | vs target alone | vs best | best | mean K |",
-        "|---|---|---|---|---|---|---|",
+        "| bundle | concurrency | vs single stream | vs target alone | vs best | best | mean K "
+        "| vs llama.cpp's best | llama.cpp's best |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for g in result["goals"]:
         lines.append(
             f"| {g['bundle']} | {g['concurrency']} | "
             f"{fmt(g['adaptive_vs_single_stream'], '.2f')}× | "
             f"{fmt(g['adaptive_vs_target_alone'], '.2f')}× | {g['adaptive_vs_best']:.2f}× | "
-            f"{g['best']} | {g['adaptive_mean_k']:.2f} |"
+            f"{g['best']} | {g['adaptive_mean_k']:.2f} | "
+            f"{fmt(g.get('adaptive_vs_llamacpp_best'), '.2f')}× | {g.get('llamacpp_best') or '–'} |"
         )
-    lines += [*padding_lines(result.get("row_padding", {})), ""]
+    lines += [*padding_lines(result.get("row_padding", {})), *_llama_lines(result), ""]
     return "\n".join(lines)
+
+
+def _rate_cell(e: dict | None) -> str:
+    if e is None:
+        return "–"
+    rate = f"{e['aggregate_tokens_per_s']:.1f}"
+    return rate if e["bundle"] == LLAMA else f"{rate} (K {e['mean_k']:.1f})"
+
+
+def _llama_lines(result: dict) -> list[str]:
+    """How llama.cpp's outputs compare, and why its rows are missing where they are."""
+    llama = [e for e in result["configs"] if e["bundle"] == LLAMA]
+    lines = ["", *result.get("notes", [])] if result.get("notes") else []
+    for name in dict.fromkeys(e["name"] for e in llama):
+        own = [e for e in llama if e["name"] == name]
+        changed = sum(e["mismatches"] for e in own)
+        lines.append(
+            f"- {name}: {changed} of {sum(e['requests'] for e in own)} outputs changed with "
+            f"load (against its own at one client); its one-client outputs equal specrt's "
+            f"for {own[0]['matches_specrt']} prompts."
+        )
+    return [""] + lines if llama else lines
 
 
 def chart(result: dict, path: Path) -> None:
@@ -296,7 +461,7 @@ def chart(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     entries = result["configs"]
-    bundles = list(dict.fromkeys(e["bundle"] for e in entries))
+    bundles = [label for label in dict.fromkeys(e["bundle"] for e in entries) if label != LLAMA]
     fig, axes = plt.subplots(1, len(bundles), figsize=(7 * len(bundles), 5), squeeze=False)
     for axis, label in zip(axes[0], bundles, strict=True):
         for config in CONFIGS:
@@ -308,6 +473,14 @@ def chart(result: dict, path: Path) -> None:
             if points:
                 xs, ys = zip(*points, strict=True)
                 axis.plot(xs, ys, "o-", label=config)
+        for name in dict.fromkeys(e["name"] for e in entries if e["bundle"] == LLAMA):
+            points = sorted(
+                (e["concurrency"], e["aggregate_tokens_per_s"])
+                for e in entries
+                if e["name"] == name
+            )
+            xs, ys = zip(*points, strict=True)
+            axis.plot(xs, ys, "s--", label=name)
         axis.set_xscale("log", base=2)
         axis.set_xlabel("concurrent requests")
         axis.set_ylabel("aggregate tokens/s")

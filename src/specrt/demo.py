@@ -62,7 +62,9 @@ def tiny_bundle(log: Log, tensorrt: TrtOptions | None = None) -> Path:
 def default_bundle_path(config: dict | None = None) -> Path:
     """Where the built-in default pair's bundle is (or will be) built."""
     config = config or demo_config()
-    name = f"{config['draft']}-{config.get('draft_precision', 'fp32')}__{config['target']}"
+    target, precision = config["target"], config.get("target_precision", "fp32")
+    target += "" if precision == "fp32" else f"-{precision}"
+    name = f"{config['draft']}-{config.get('draft_precision', 'fp32')}__{target}"
     return specrt_home() / "bundles" / name
 
 
@@ -70,7 +72,7 @@ def real_bundle(config: dict, log: Log) -> Path:
     from specrt.models import lookup, pull
 
     paths = {role: pull(lookup(config[role]), log=log) for role in ("draft", "target")}
-    draft_precision = config.get("draft_precision", "fp32")
+    weights = {role: config.get(f"{role}_precision", "fp32") for role in ("draft", "target")}
     bundle = default_bundle_path(config)
     if not _cached_bundle(bundle, log):
         from specrt.exporter.build import build_bundle
@@ -82,7 +84,7 @@ def real_bundle(config: dict, log: Log) -> Path:
             bundle,
             max_draft=config["max_draft"],
             max_context=config["max_context"],
-            precision={"draft": Precision(draft_precision)},
+            precision={role: Precision(w) for role, w in weights.items()},
             force=True,
             log=log,
         )

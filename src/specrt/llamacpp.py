@@ -81,6 +81,27 @@ class ServerSpec:
         return command
 
 
+def server_specs(
+    bundle: Bundle,
+    binary: Path,
+    drafts: tuple[int, ...] | None = None,
+    threads: int | None = None,
+    slots: int = 1,
+) -> dict[str, ServerSpec]:
+    """The servers a bench runs, by row name: the bundle's target GGUF alone, and with its
+    draft GGUF at each of `drafts` drafted tokens (default: the bundle's K_max) where the
+    draft was a GGUF file too. The bundle must have been built from a target GGUF on disk."""
+    files = gguf_sources(bundle)
+    target, context = files["target"], bundle.max_context
+    specs = {"llamacpp_target_only": ServerSpec(binary, target, None, 0, threads, context, slots)}
+    if "draft" in files:
+        for n in drafts or (bundle.max_draft,):
+            specs[f"llamacpp_draft_{n}"] = ServerSpec(
+                binary, target, files["draft"], n, threads, context, slots
+            )
+    return specs
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -436,8 +436,7 @@ def _llamacpp_rows(bundles, hint, drafts, max_new_tokens, threads, stop_at_eos, 
     built = [b for b in bundles if "target" in llamacpp.gguf_sources(b)]
     if not built:
         return ["llama.cpp rows skipped: no bundle built from GGUF files on disk"]
-    names = llamacpp.server_specs(built[0], Path(llamacpp.SERVER), drafts, threads)
-    if not any(wanted(name) for name in names):
+    if not any(wanted(name) for name in llamacpp.row_names(built[0], drafts)):
         return []
     binary = llamacpp.find_server(hint)
     if binary is None:

@@ -173,15 +173,16 @@ def llama_level(
 
 
 def _figures(done: list[Served], alone: dict[int, list[int]], seconds: float) -> dict:
+    tokens = sum(len(s.tokens) for s in done)
     per_request = [len(s.tokens) / (s.end - s.sent) for s in done]
     latencies = [x for s in done for x in s.latencies]
     ks = [k for s in done for k in s.ks]
     same = [s.tokens == alone[s.index] for s in done]
     return {
         "requests": len(done),
-        "tokens": sum(len(s.tokens) for s in done),
+        "tokens": tokens,
         "seconds": round(seconds, 3),
-        "aggregate_tokens_per_s": sum(len(s.tokens) for s in done) / seconds,
+        "aggregate_tokens_per_s": tokens / seconds,
         "per_request_tokens_per_s": float(np.mean(per_request)),
         "ttft_p50_ms": 1000 * float(np.percentile([s.first - s.sent for s in done], 50)),
         "per_token_p50_ms": 1000 * float(np.percentile(latencies, 50)),

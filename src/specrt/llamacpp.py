@@ -81,6 +81,16 @@ class ServerSpec:
         return command
 
 
+def row_names(bundle: Bundle, drafts: tuple[int, ...] | None = None) -> dict[str, int]:
+    """The bench rows llama.cpp gives a bundle, each with its drafted tokens (0: the target
+    alone): the target GGUF alone, and with the draft GGUF at each of `drafts` (default: the
+    bundle's K_max) where the draft was a GGUF file too."""
+    rows = {"llamacpp_target_only": 0}
+    if "draft" in gguf_sources(bundle):
+        rows |= {f"llamacpp_draft_{n}": n for n in drafts or (bundle.max_draft,)}
+    return rows
+
+
 def server_specs(
     bundle: Bundle,
     binary: Path,
@@ -88,18 +98,21 @@ def server_specs(
     threads: int | None = None,
     slots: int = 1,
 ) -> dict[str, ServerSpec]:
-    """The servers a bench runs, by row name: the bundle's target GGUF alone, and with its
-    draft GGUF at each of `drafts` drafted tokens (default: the bundle's K_max) where the
-    draft was a GGUF file too. The bundle must have been built from a target GGUF on disk."""
+    """The server behind each of `row_names`. The bundle must have been built from a target
+    GGUF on disk."""
     files = gguf_sources(bundle)
-    target, context = files["target"], bundle.max_context
-    specs = {"llamacpp_target_only": ServerSpec(binary, target, None, 0, threads, context, slots)}
-    if "draft" in files:
-        for n in drafts or (bundle.max_draft,):
-            specs[f"llamacpp_draft_{n}"] = ServerSpec(
-                binary, target, files["draft"], n, threads, context, slots
-            )
-    return specs
+    return {
+        name: ServerSpec(
+            binary,
+            files["target"],
+            files["draft"] if n else None,
+            n,
+            threads,
+            bundle.max_context,
+            slots,
+        )
+        for name, n in row_names(bundle, drafts).items()
+    }
 
 
 def _free_port() -> int:

@@ -13,7 +13,7 @@ from specrt.runtime.costs import StepCosts
 class FixedCosts(StepCosts):
     """A StepCosts whose curves stay as given."""
 
-    def observe_draft(self, seconds: float, steps: int, rows: int = 1) -> None:
+    def observe_draft(self, rows: int, seconds: float) -> None:
         pass
 
     def observe_verify(self, rows: int, seconds: float) -> None:

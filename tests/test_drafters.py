@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import openai
 import pytest
 from servers import client, serving
@@ -18,7 +19,16 @@ from specrt.bundle import Bundle
 from specrt.errors import SpecrtError
 from specrt.exporter.build import build_bundle
 from specrt.runtime import SpeculativeRuntime
-from specrt.runtime.drafters import HybridDrafter, ModelDrafter, NgramDrafter, Offer, lookup
+from specrt.runtime.drafters import (
+    DraftJob,
+    HybridDrafter,
+    ModelDrafter,
+    NgramDrafter,
+    Offer,
+    draft_together,
+    lookup,
+)
+from specrt.runtime.sampling import SamplingParams
 from specrt.serve import ServeSettings
 
 # A prompt whose continuation repeats what it already holds, so lookups find matches.
@@ -115,6 +125,25 @@ def test_accepted_lookups_and_the_model_catching_up_after_them(runtimes, arch):
     assert {s for s, _, _ in rounds} - {"none"} == {"ngram", "model"}  # none: the last round
     assert all(d == a for s, d, a in rounds if s == "ngram")  # every lookup accepted in full
     assert max(d for s, d, _ in rounds if s == "ngram") == 6
+
+
+def test_a_batched_draft_reports_each_step_by_its_rows(bundles):
+    """The draft's cost curve is refined per batched step by the rows it carried: the first
+    step feeds each request what the draft model has not read (two tokens after a round that
+    kept every draft) and is padded to the widest, the later ones one token a request."""
+    rt = SpeculativeRuntime.load(bundles["llama"], slots=2, threads=1, calibrate=False)
+    seqs = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15]]
+    jobs = []
+    for slot, (seq, behind) in enumerate(zip(seqs, (2, 1), strict=True)):
+        drafter = ModelDrafter(rt.draft)
+        drafter.start(seq, slot)
+        rt.draft.forward_rows([(slot, seq[:-behind])], last=1)
+        assert drafter.offer(seq, 8).lag == behind
+        jobs.append(DraftJob(drafter, seq, 3, SamplingParams(), np.random.default_rng(0)))
+    proposals, times = draft_together(jobs)
+    assert [len(p.tokens) for p in proposals] == [3, 3]
+    assert [rows for rows, _ in times.steps] == [4, 2, 2]
+    assert all(seconds > 0 for _, seconds in times.steps) and times.catch_up >= 0
 
 
 def test_lookup_drafters_by_name(runtimes):

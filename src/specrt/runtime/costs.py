@@ -45,9 +45,14 @@ class StepCosts:
         """Whether a round drafted by source can be priced yet."""
         return bool(self.verify) and (source != "model" or bool(self.draft))
 
-    def draft_cost(self, source: str, k: int, rows: int = 1) -> float:
-        """Seconds to draft k tokens for `rows` requests at once: k model steps, or a lookup."""
-        return k * _price(self.draft, rows) if source == "model" and k else 0.0
+    def draft_cost(self, source: str, k: int, rows: int = 1, first: float | None = None) -> float:
+        """Seconds to draft k tokens for `rows` requests at once: k model steps, or a lookup.
+        The first step carries `first` rows (default `rows`): what the draft model has not read
+        yet, one token a request or two after a round that kept every draft (see the
+        controller's `price_round`)."""
+        if source != "model" or not k:
+            return 0.0
+        return _price(self.draft, first or rows) + (k - 1) * _price(self.draft, rows)
 
     def catch_up_cost(self, lag: int) -> float:
         """Seconds the draft model spends catching up on `lag` tokens before drafting (the
@@ -62,8 +67,9 @@ class StepCosts:
         """c_verify for a call of `rows` rows, from the measured curve."""
         return _price(self.verify, rows)
 
-    def observe_draft(self, seconds: float, steps: int, rows: int = 1) -> None:
-        self.draft[rows] = _blend(self.draft.get(rows), seconds / steps)
+    def observe_draft(self, rows: int, seconds: float) -> None:
+        """One batched draft step of `rows` rows (its padding included)."""
+        self.draft[rows] = _blend(self.draft.get(rows), seconds)
 
     def observe_verify(self, rows: int, seconds: float) -> None:
         self.verify[rows] = _blend(self.verify.get(rows), seconds)
@@ -77,12 +83,12 @@ class StepCosts:
         return _price(self.draft, 1) if self.draft else None
 
 
-def _price(curve: dict[int, float], rows: int) -> float:
+def _price(curve: dict[int, float], rows: float) -> float:
     larger = [t for n, t in curve.items() if n > rows]
     return min([_interpolate(curve, rows), *larger])
 
 
-def _interpolate(curve: dict[int, float], rows: int) -> float:
+def _interpolate(curve: dict[int, float], rows: float) -> float:
     if rows in curve:
         return curve[rows]
     known = sorted(curve)

@@ -43,7 +43,7 @@ class Offer:
 class Proposal:
     tokens: list[int] = field(default_factory=list)
     probs: list[np.ndarray | None] = field(default_factory=list)  # None: a point mass
-    steps: int = 0  # draft model calls it took (what the draft's cost curve is measured by)
+    steps: int = 0  # draft model calls it took (a request stops at its K of them)
 
 
 class Drafter(Protocol):
@@ -137,12 +137,22 @@ class DraftJob:
         return len(self.prefix) + self.k if self.room is None else self.room
 
 
-def draft_together(jobs: Sequence[DraftJob]) -> tuple[list[Proposal], float]:
+@dataclass
+class DraftTimes:
+    """What a batched draft's calls took: the catch-up calls before it (a prompt, rounds served
+    by a lookup or at K = 0), which are not draft steps, and each step's rows (padding
+    included) and seconds, which refine the draft model's cost curve."""
+
+    catch_up: float = 0.0
+    steps: list[tuple[int, float]] = field(default_factory=list)
+
+
+def draft_together(jobs: Sequence[DraftJob]) -> tuple[list[Proposal], DraftTimes]:
     """Up to k tokens after each job's sequence, one batched call of the draft model per step.
     A request whose draft is done (k steps, its room, or the draft is unsure: verifying now
-    beats drafting on) sits out the remaining steps. Also returns the seconds spent catching
-    up first (a prompt, rounds served by a lookup or at K = 0), which are not draft steps.
-    Constraints end where they began: drafting walks them ahead and steps them back."""
+    beats drafting on) sits out the remaining steps. Its first step feeds each request what
+    the draft model has not read yet. Constraints end where they began: drafting walks them
+    ahead and steps them back."""
     engine, ids = jobs[0].drafter.engine, jobs[0].drafter.ids
     last = engine.vocab_size - 1
     proposals = [Proposal(list(job.prefix), [None] * len(job.prefix)) for job in jobs]
@@ -163,10 +173,13 @@ def draft_together(jobs: Sequence[DraftJob]) -> tuple[list[Proposal], float]:
         if len(feed) > CATCH_UP:  # a call of its own, so that no other row is padded to it
             engine.forward_rows([(jobs[i].drafter.slot, feed[:-1])], last=1)
             feeds[i] = feed[-1:]
-    catch_up = time.perf_counter() - start
+    times = DraftTimes(catch_up=time.perf_counter() - start)
     while feeds:
         calls = [(jobs[i].drafter.slot, feed) for i, feed in feeds.items()]
+        start = time.perf_counter()
         rows = engine.forward_rows(calls, last=1)
+        width = max(len(feed) for feed in feeds.values())
+        times.steps.append((len(calls) * width, time.perf_counter() - start))
         for i, logits in zip(list(feeds), rows, strict=True):
             job, proposal = jobs[i], proposals[i]
             row = logits[0, :ids]
@@ -186,7 +199,7 @@ def draft_together(jobs: Sequence[DraftJob]) -> tuple[list[Proposal], float]:
     for job, base in zip(jobs, bases, strict=True):
         if job.constraints is not None:
             job.constraints.rollback_to(base)
-    return proposals, catch_up
+    return proposals, times
 
 
 def _follow(job: DraftJob, proposal: Proposal, token: int) -> list[int]:

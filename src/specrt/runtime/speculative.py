@@ -24,7 +24,15 @@ from specrt.runtime.acceptance import verify_greedy, verify_sampled
 from specrt.runtime.constraints import Constraints
 from specrt.runtime.controller import Decision, RoundContext, decide_round
 from specrt.runtime.costs import StepCosts
-from specrt.runtime.drafters import Drafter, DraftJob, Offer, Proposal, draft_together, draw
+from specrt.runtime.drafters import (
+    Drafter,
+    DraftJob,
+    DraftTimes,
+    Offer,
+    Proposal,
+    draft_together,
+    draw,
+)
 from specrt.runtime.logprobs import TokenLogprob, token_logprobs
 from specrt.runtime.sampling import SamplingParams
 
@@ -106,7 +114,7 @@ def speculate(reqs: list[Request], target: Engine, costs: StepCosts) -> Round:
         for r, o, room in zip(reqs, offers, rooms, strict=True)
     ]
     decisions = decide_round([r.policy for r in reqs], contexts, costs)
-    proposals, catch_up = _propose(reqs, offers, decisions, rooms)
+    proposals, times = _propose(reqs, offers, decisions, rooms)
     t1 = time.perf_counter()
     logits = target.forward_rows(
         [(r.slot, [r.seq[-1], *p.tokens]) for r, p in _pairs(reqs, proposals)]
@@ -133,8 +141,7 @@ def speculate(reqs: list[Request], target: Engine, costs: StepCosts) -> Round:
         emitted.append(kept)
         logprobs.append(_logprobs(r, scores, kept))
     drafted = [len(p.tokens) for p in proposals]
-    steps = [p.steps for p in proposals]
-    _observe_costs(costs, drafted, steps, t1 - t0 - catch_up, t2 - t1)
+    _observe_costs(costs, drafted, times, t2 - t1)
     sources = [o.source if n else "none" for o, n in _pairs(offers, drafted)]
     return Round(decisions, sources, drafted, accepted, emitted, t1 - t0, t2 - t1, logprobs)
 
@@ -157,10 +164,10 @@ def _draft_job(r: Request, k: int, room: int, offer: Offer) -> DraftJob:
 
 
 def _propose(reqs: list[Request], offers: list[Offer], decisions: list[Decision], rooms):
-    """Each request's drafts (lookups alone, model drafts for all requests together), and the
-    seconds the draft model spent catching up (see `draft_together`)."""
+    """Each request's drafts (lookups alone, model drafts for all requests together), and what
+    the draft model's calls took (see `draft_together`)."""
     proposals = [Proposal() for _ in reqs]
-    together, catch_up = [], 0.0
+    together, times = [], DraftTimes()
     for i, (r, offer, decision) in enumerate(zip(reqs, offers, decisions, strict=True)):
         if offer.source == "model" and (decision.k or offer.prefix):
             together.append(i)
@@ -169,16 +176,15 @@ def _propose(reqs: list[Request], offers: list[Offer], decisions: list[Decision]
             proposals[i] = r.drafter.propose(r.seq, decision.k, r.params, r.rng, threshold)
     if together:
         jobs = [_draft_job(reqs[i], decisions[i].k, rooms[i], offers[i]) for i in together]
-        drafted, catch_up = draft_together(jobs)
+        drafted, times = draft_together(jobs)
         for i, proposal in zip(together, drafted, strict=True):
             proposals[i] = proposal
-    return proposals, catch_up
+    return proposals, times
 
 
-def _observe_costs(costs, drafted, steps, draft_s: float, verify_s: float) -> None:
-    """Refine the cost curves with what this round's calls took (the draft's by its model
-    steps: forced tokens and lookups cost it nothing)."""
+def _observe_costs(costs, drafted, times: DraftTimes, verify_s: float) -> None:
+    """Refine the cost curves with what this round's calls took: the verify call, and each
+    batched step of the draft model by its rows (forced tokens and lookups cost it nothing)."""
     costs.observe_verify(len(drafted) * (max(drafted) + 1), verify_s)
-    model = [n for n in steps if n]
-    if model:
-        costs.observe_draft(draft_s, max(model), len(model))
+    for rows, seconds in times.steps:
+        costs.observe_draft(rows, seconds)

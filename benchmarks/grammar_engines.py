@@ -388,6 +388,7 @@ def main() -> None:
         engines[engine_type.name] = row
         print(engine_type.name, json.dumps(row, indent=1), flush=True)
     result = {
+        "kind": "grammar_engines",
         "machine": describe(),
         "command": "python benchmarks/grammar_engines.py " + " ".join(sys.argv[1:]),
         "engines": engines,

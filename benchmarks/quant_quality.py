@@ -54,7 +54,12 @@ def combine(bench: dict, evals: list[dict]) -> dict:
                 },
             }
         )
-    return {"machine": bench["machine"], "settings": bench["settings"], "combinations": combos}
+    return {
+        "kind": "quant_quality",
+        "machine": bench["machine"],
+        "settings": bench["settings"],
+        "combinations": combos,
+    }
 
 
 def _cell(texts: dict | None, key: str, spec: str) -> str:

@@ -137,6 +137,7 @@ def main() -> None:
     args = parser.parse_args()
     items = json.loads(SET.read_text())[: args.limit]
     result = {
+        "kind": "structured",
         "machine": machine.describe(),
         "command": "python benchmarks/structured.py " + " ".join(sys.argv[1:]),
         "items": len(items),

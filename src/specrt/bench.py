@@ -408,6 +408,7 @@ def run_bench(
         gc.collect()
     _compare(rows, outputs)
     return {
+        "kind": "bench",
         "bundle": str(paths[0]),
         "bundles": {b.precision_label: str(b.path) for b in bundles},
         "machine": machine.describe(threads),

@@ -1,0 +1,58 @@
+"""The documentation's results tables are rendered from benchmarks/results/*.json, each under a
+line naming its CPU and date; a file that names no machine, or of a kind nothing renders, is
+refused rather than shown. (CI also builds the site with `mkdocs build --strict`.)"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MARKER = re.compile(r"^<!-- results: ([\w.\-]+) -->$", re.M)
+
+
+@pytest.fixture(scope="module")
+def render_results():
+    spec = importlib.util.spec_from_file_location(
+        "render_results", ROOT / "benchmarks" / "render_results.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _markers() -> list[str]:
+    return sorted(
+        {m for page in (ROOT / "docs").glob("*.md") for m in MARKER.findall(page.read_text())}
+    )
+
+
+def test_every_results_table_in_the_docs_renders_and_names_its_cpu_and_date(render_results):
+    names = _markers()
+    assert names, "the docs show no results"
+    for name in names:
+        result = json.loads((ROOT / "benchmarks" / "results" / f"{name}.json").read_text())
+        text = render_results.render(name)
+        head = text.splitlines()[0]
+        assert head.startswith(f"**Measured on {result['machine']['cpu']} (")
+        assert result["machine"]["date"] in head and "|---" in text
+    index = render_results.index()
+    assert all(f"`{name}`" in index for name in names)
+
+
+def test_a_result_without_its_machine_or_renderer_is_refused(render_results, tmp_path, monkeypatch):
+    monkeypatch.setattr(render_results, "RESULTS", tmp_path)
+    machine = {"cpu": "AMD EPYC", "simd": ["AVX2"], "cores": 2, "date": "2026-11-25"}
+    (tmp_path / "bare.json").write_text(json.dumps({"kind": "bench", "configs": []}))
+    (tmp_path / "odd.json").write_text(json.dumps({"kind": "poetry", "machine": machine}))
+    with pytest.raises(render_results.RenderError, match="records no machine"):
+        render_results.render("bare")
+    with pytest.raises(render_results.RenderError, match="no renderer"):
+        render_results.render("odd")
+    with pytest.raises(render_results.RenderError, match="no results file"):
+        render_results.render("missing")
+    assert render_results.renderable() == []

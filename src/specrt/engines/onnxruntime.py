@@ -70,7 +70,7 @@ def providers_for(bundle: Bundle, role: str, backend: str, slots: int = 1) -> li
         raise SpecrtError(
             f"backend {backend}: this onnxruntime has no {provider} (it has "
             f"{', '.join(ort.get_available_providers())}); install onnxruntime-gpu, and TensorRT "
-            "for the TensorRT provider (see README, 'GPU')"
+            "for the TensorRT provider (see docs/gpu.md)"
         )
     if backend == "onnxruntime":
         return [provider]

@@ -12,7 +12,7 @@ may share memory for such a layer. So each layer has two cache buffers, read one
 other, and swap them after the call (ping-pong): one device-side copy of the cache per call (about
 60 MB for a 1.5B model in fp16 at 2048 positions, some 20 µs on an H100), no host traffic, and
 rollback still only moves a length. TensorRT 10.15's KV-cache update layer would write only the
-new positions; see README, 'GPU'.
+new positions; see docs/gpu.md.
 
 Every address bound is a buffer of its own from cudaMalloc (256-byte aligned, as TensorRT wants
 its I/O): a call's position ids are copied into their own small buffer rather than bound at an
@@ -138,7 +138,7 @@ def _import():
     except ImportError as err:
         raise SpecrtError(
             "the tensorrt backend needs TensorRT 10.1+ and cuda-bindings on a machine with an "
-            f"NVIDIA GPU: pip install 'specrt[gpu]' (see README, 'GPU') ({err})"
+            f"NVIDIA GPU: pip install 'specrt[gpu]' (see docs/gpu.md) ({err})"
         ) from err
     return trt, cudart
 

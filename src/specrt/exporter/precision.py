@@ -35,7 +35,7 @@ from specrt.errors import SpecrtError
 from specrt.exporter.external_data import ExternalData
 
 PRECISIONS = ("fp32", "fp16", "int8", "int4", "gguf")
-# Defaults measured fastest on a 2-core AVX-512 VNNI box (see README, "Precision").
+# Defaults measured fastest on a 2-core AVX-512 VNNI box (see docs/precision.md).
 DEFAULT_BLOCK_SIZE = 128
 DEFAULT_ACCURACY_LEVEL = 4  # int8 activations: the VNNI kernels
 FP16_KEPT_FLOAT32 = ["Pow", "ReduceMean", "Sqrt", "Div"]

@@ -35,7 +35,7 @@ TRT_PRECISIONS = ("fp16", "fp32")
 OLDEST = (10, 1)  # shared execution-context memory (set_device_memory, device_memory_size_v2)
 INSTALL_HINT = (
     "install TensorRT 10.1 or newer on a machine with an NVIDIA GPU and driver: "
-    "pip install 'specrt[gpu]' (see README, 'GPU')"
+    "pip install 'specrt[gpu]' (see docs/gpu.md)"
 )
 
 

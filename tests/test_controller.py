@@ -12,6 +12,7 @@ from specrt.runtime.controller import (
     Adaptive,
     Fixed,
     Heuristic,
+    PooledAcceptance,
     RoundContext,
     decide_round,
     decide_together,
@@ -198,6 +199,15 @@ def test_a_request_without_drafts_is_probed_now_and_then():
     assert decision.k == 1 and "probing" in decision.reason
 
 
+def _gguf_costs() -> FixedCosts:
+    """The gguf 1.5B target's and the int4 0.5B draft's curves, calibrated at 8 slots on a
+    2-core AVX-512 EPYC (fixed here: no CPU decides a test that uses them)."""
+    verify = {1: 0.0608, 2: 0.0682, 3: 0.0808, 4: 0.0941, 5: 0.1043, 8: 0.1372, 10: 0.1709}
+    verify |= {16: 0.2291, 24: 0.3467, 40: 0.5123}
+    draft = {1: 0.0138, 2: 0.0166, 4: 0.0257, 8: 0.0403, 16: 0.0635}
+    return FixedCosts(draft=draft, verify=verify)
+
+
 def test_the_first_draft_step_is_priced_with_what_the_draft_has_not_read():
     """A round that kept every draft leaves the draft model two tokens to read, so in a batch
     the first draft step is about twice as wide as the rest. The curves are the gguf 1.5B
@@ -205,11 +215,8 @@ def test_the_first_draft_step_is_priced_with_what_the_draft_has_not_read():
     here: no CPU decides the test). At 4 requests and acceptance 0.85 the target alone is the
     better round, as measured there; priced at one row a request, K = 1 would have looked 7 %
     better than K = 0."""
-    verify = {1: 0.0608, 2: 0.0682, 3: 0.0808, 4: 0.0941, 5: 0.1043, 8: 0.1372, 10: 0.1709}
-    verify |= {16: 0.2291, 24: 0.3467, 40: 0.5123}
-    costs = FixedCosts(
-        draft={1: 0.0138, 2: 0.0166, 4: 0.0257, 8: 0.0403, 16: 0.0635}, verify=verify
-    )
+    costs = _gguf_costs()
+    verify = costs.verify
     assert first_step_rows([(1, 0.85)]) == pytest.approx(1.85)
     assert first_step_rows([(1, 0.85)] * 4) == pytest.approx(4 * (2 - 0.15**4))
     batch = [Adaptive(costs=costs, prior_alpha=0.85) for _ in range(4)]
@@ -218,6 +225,26 @@ def test_the_first_draft_step_is_priced_with_what_the_draft_has_not_read():
     assert one_row_each > 1.05 * 4 / verify[4]  # the old price: K = 1 looked better
     alone = Adaptive(costs=costs, prior_alpha=0.85)
     assert alone.decide(RoundContext(8, 100)).k >= 1  # one request still drafts
+
+
+def test_a_new_request_starts_from_the_acceptance_its_runtime_has_seen():
+    """In a batch of 2 on the gguf target's curves, drafting one token pays from an acceptance
+    of about 0.8: requests starting from the fixed prior (0.7) would never draft, and there no
+    probe widens the call to learn better. Requests that start from what the runtime's earlier
+    requests accepted (above 0.9 here) draft, then follow their own drafts."""
+    costs = _gguf_costs()
+    pool = PooledAcceptance()
+    contexts = [RoundContext(8, 100)] * 2
+    fresh = [Adaptive(costs=costs, prior_alpha=0.7, pool=pool) for _ in range(2)]
+    assert [d.k for d in decide_together(fresh, contexts, costs)] == [0, 0]
+    earlier = Adaptive(costs=costs, prior_alpha=0.7, pool=pool)
+    earlier.decide(RoundContext(8, 100))
+    for accepted in [4] * 8 + [3] * 2:
+        earlier.observe(4, accepted)
+    assert pool.alpha("model") > 0.9
+    after = [Adaptive(costs=costs, prior_alpha=0.7, pool=pool) for _ in range(2)]
+    assert min(d.k for d in decide_together(after, contexts, costs)) >= 1
+    assert make_controller("adaptive", 8, costs, pool=pool).pool is pool
 
 
 def test_no_probe_where_it_would_widen_a_compute_bound_call():

@@ -22,7 +22,7 @@ from specrt.engines import load_engine
 from specrt.engines.base import Engine
 from specrt.errors import SpecrtError
 from specrt.runtime.constraints import Constraints
-from specrt.runtime.controller import make_controller
+from specrt.runtime.controller import PooledAcceptance, make_controller
 from specrt.runtime.costs import StepCosts, measure_costs
 from specrt.runtime.drafters import ConstrainedDrafter, make_drafter
 from specrt.runtime.generation import Generation, Result
@@ -61,6 +61,7 @@ class SpeculativeRuntime:
         self.controller = controller
         make_controller(controller, bundle.max_draft)  # refuse a bad spec now, not mid-request
         self.costs = StepCosts()  # learned by the rounds, or calibrated
+        self.acceptance = PooledAcceptance()  # where a request's adaptive estimate starts
 
     @property
     def slots(self) -> int:
@@ -172,7 +173,12 @@ class SpeculativeRuntime:
         spec = controller or self.controller
         bundle = self.bundle
         policy = make_controller(
-            spec, bundle.max_draft, self.costs, bounds=bounds, k_lookup=bundle.max_lookup
+            spec,
+            bundle.max_draft,
+            self.costs,
+            bounds=bounds,
+            k_lookup=bundle.max_lookup,
+            pool=self.acceptance,
         )
         ids = self.target.vocab_size
         source = make_drafter(drafter or self.drafter, self.draft, ids) if speculate else None

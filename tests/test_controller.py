@@ -9,6 +9,7 @@ from fixed_costs import FixedCosts, flat_costs
 from specrt.runtime import SpeculativeRuntime
 from specrt.runtime.controller import (
     PROBE_AFTER,
+    SWITCH_GAIN,
     Adaptive,
     Fixed,
     Heuristic,
@@ -19,6 +20,7 @@ from specrt.runtime.controller import (
     expected_tokens,
     first_step_rows,
     make_controller,
+    price_round,
 )
 from specrt.runtime.costs import StepCosts
 
@@ -245,6 +247,26 @@ def test_a_new_request_starts_from_the_acceptance_its_runtime_has_seen():
     after = [Adaptive(costs=costs, prior_alpha=0.7, pool=pool) for _ in range(2)]
     assert min(d.k for d in decide_together(after, contexts, costs)) >= 1
     assert make_controller("adaptive", 8, costs, pool=pool).pool is pool
+
+
+def test_a_batch_keeps_its_course_where_drafting_and_the_target_alone_price_alike():
+    """At 4 requests and acceptance 0.9 on the gguf target's curves, K = 1 prices within 5 % of
+    the target alone. A batch that drafted last round (its draft model caught up) keeps
+    drafting; one that did not keeps to the target alone. Flipping on noise made every return
+    to drafting pay a catch-up."""
+    costs = _gguf_costs()
+    alone_rate = 4 / costs.verify_cost(4)
+    k1_rate = price_round([1] * 4, [0.9] * 4, ["model"] * 4, [(2, None)] * 4, (), costs)[0]
+    assert alone_rate < k1_rate < SWITCH_GAIN * alone_rate
+
+    def ks(last_k: int) -> list[int]:
+        batch = [Adaptive(costs=costs, prior_alpha=0.9) for _ in range(4)]
+        for policy in batch:
+            policy.observe(last_k, last_k)
+        return [d.k for d in decide_together(batch, [RoundContext(8, 100, lag=2)] * 4, costs)]
+
+    assert min(ks(last_k=1)) >= 1  # drafting, and drafting still pays a little: it goes on
+    assert ks(last_k=0) == [0] * 4  # not drafting: 1 % is no reason to start
 
 
 def test_no_probe_where_it_would_widen_a_compute_bound_call():

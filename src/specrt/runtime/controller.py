@@ -28,6 +28,7 @@ PROBE_AFTER = 16  # rounds at K = 0 after which an adaptive request drafts one t
 PROBE_COST = 1.1  # ...if the wider call costs at most this much more than the round chosen
 CATCH_UP_ROUNDS = 4  # rounds a catch-up is spread over when a request's remaining ones are unknown
 ROUND_LAG = 2  # tokens a round leaves the draft model to read: a steady cost, not a catch-up
+SWITCH_GAIN = 1.05  # a batch starts or stops the model's drafts only for this much more tok/s
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,7 @@ class Adaptive:
     counts: dict[str, list[float]] = field(init=False, default_factory=dict)  # [acc., rej.]
     source: str = field(init=False, default="model")  # of the round being decided
     idle: int = field(init=False, default=0)  # rounds in a row without drafting
+    last_k: int | None = field(init=False, default=None)  # drafts of its last round
 
     def alpha(self, source: str = "model") -> float:
         """Acceptance per drafted token: the geometric MLE over recent, decayed observations."""
@@ -158,6 +160,7 @@ class Adaptive:
 
     def observe(self, k: int, accepted: int) -> None:
         self.idle = 0 if k else self.idle + 1
+        self.last_k = k
         if k > 0:
             counts = self._counts(self.source)
             rejected = 1 if accepted < k else 0  # drafts after a rejection are never judged
@@ -224,7 +227,12 @@ def decide_together(
             for s, low, cap in zip(sources, lows, caps, strict=True)
         ]
         options.append((*price_round(ks, alphas, sources, lags, others, costs), ks))
-    rate, draft, verify, ks = max(options, key=lambda option: option[0])  # the first best
+    drafting = any(
+        p.last_k and c.lag <= ROUND_LAG
+        for p, c in zip(policies, contexts, strict=True)
+        if c.source == "model"
+    )
+    rate, draft, verify, ks = _keep_course(options, sources, drafting)
     base = costs.verify_cost(batch)  # the batch's call at K = 0
     shares = f"c_draft(K)/c_verify={draft / base:.2f} c_verify(K)/c_verify(0)={verify / base:.2f}"
     size = f"batch {batch}: " if batch > 1 else ""
@@ -247,6 +255,28 @@ def decide_together(
             probed = True
         decisions.append(Decision(k, why))
     return decisions
+
+
+def _keep_course(options: list[tuple], sources: Sequence[str], drafting: bool) -> tuple:
+    """The best priced option (rate, draft, verify, ks; the first of equals), unless it starts
+    or stops the model's drafts for less than SWITCH_GAIN over the best option that does not.
+    Where drafting and the target alone price within noise of each other, the choice flipped
+    round by round, and every return to drafting first fed the draft model all it had missed:
+    adaptive drafted a mean K of 0.47 at 4 clients and ran at 0.81x the target alone, which
+    either course alone matched."""
+
+    def best(candidates: list[tuple]) -> tuple:
+        return max(candidates, key=lambda option: option[0])
+
+    def model_drafts(option: tuple) -> bool:
+        return any(k and s == "model" for k, s in zip(option[3], sources, strict=True))
+
+    chosen = best(options)
+    same = [option for option in options if model_drafts(option) == drafting]
+    if model_drafts(chosen) == drafting or not same:
+        return chosen
+    stay = best(same)
+    return chosen if chosen[0] > SWITCH_GAIN * stay[0] else stay
 
 
 def _pairs_of_k(caps, sources) -> list[tuple[int, int]]:

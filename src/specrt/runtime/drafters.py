@@ -141,7 +141,9 @@ class DraftJob:
 class DraftTimes:
     """What a batched draft's calls took: the catch-up calls before it (a prompt, rounds served
     by a lookup or at K = 0), which are not draft steps, and each step's rows (padding
-    included) and seconds, which refine the draft model's cost curve."""
+    included) and seconds, which refine the draft model's cost curve. A step's seconds include
+    drawing its tokens (a softmax over the vocabulary per row, for the confidence): timed
+    around the call alone, the curve left out host work that drafting pays every step."""
 
     catch_up: float = 0.0
     steps: list[tuple[int, float]] = field(default_factory=list)
@@ -176,10 +178,9 @@ def draft_together(jobs: Sequence[DraftJob]) -> tuple[list[Proposal], DraftTimes
     times = DraftTimes(catch_up=time.perf_counter() - start)
     while feeds:
         calls = [(jobs[i].drafter.slot, feed) for i, feed in feeds.items()]
+        width = max(len(feed) for feed in feeds.values())
         start = time.perf_counter()
         rows = engine.forward_rows(calls, last=1)
-        width = max(len(feed) for feed in feeds.values())
-        times.steps.append((len(calls) * width, time.perf_counter() - start))
         for i, logits in zip(list(feeds), rows, strict=True):
             job, proposal = jobs[i], proposals[i]
             row = logits[0, :ids]
@@ -196,6 +197,7 @@ def draft_together(jobs: Sequence[DraftJob]) -> tuple[list[Proposal], DraftTimes
             ended = job.constraints is not None and token in job.constraints.eos
             if ended or proposal.steps == job.k or len(proposal.tokens) >= job.limit:
                 del feeds[i]
+        times.steps.append((len(calls) * width, time.perf_counter() - start))  # draws included
     for job, base in zip(jobs, bases, strict=True):
         if job.constraints is not None:
             job.constraints.rollback_to(base)

@@ -102,10 +102,14 @@ class PooledAcceptance:
         return accepted / (accepted + rejected)
 
     def observe(self, source: str, accepted: int, rejected: int) -> None:
-        counts = self.counts.setdefault(source, [0.0, 0.0])
-        fade = self.decay ** (accepted + rejected)
-        counts[0] = fade * counts[0] + accepted
-        counts[1] = fade * counts[1] + rejected
+        fade_in(self.counts.setdefault(source, [0.0, 0.0]), self.decay, accepted, rejected)
+
+
+def fade_in(counts: list[float], decay: float, accepted: int, rejected: int) -> None:
+    """Add a round's judged drafts to [accepted, rejected] counts, older ones decayed per token."""
+    fade = decay ** (accepted + rejected)
+    counts[0] = fade * counts[0] + accepted
+    counts[1] = fade * counts[1] + rejected
 
 
 @dataclass
@@ -162,11 +166,8 @@ class Adaptive:
         self.idle = 0 if k else self.idle + 1
         self.last_k = k
         if k > 0:
-            counts = self._counts(self.source)
             rejected = 1 if accepted < k else 0  # drafts after a rejection are never judged
-            fade = self.decay ** (accepted + rejected)
-            counts[0] = fade * counts[0] + accepted
-            counts[1] = fade * counts[1] + rejected
+            fade_in(self._counts(self.source), self.decay, accepted, rejected)
             if self.pool is not None:
                 self.pool.observe(self.source, accepted, rejected)
 

@@ -137,24 +137,19 @@ class DraftJob:
         return len(self.prefix) + self.k if self.room is None else self.room
 
 
-@dataclass
-class DraftTimes:
-    """What a batched draft's calls took: the catch-up calls before it (a prompt, rounds served
-    by a lookup or at K = 0), which are not draft steps, and each step's rows (padding
-    included) and seconds, which refine the draft model's cost curve. A step's seconds include
-    drawing its tokens (a softmax over the vocabulary per row, for the confidence): timed
-    around the call alone, the curve left out host work that drafting pays every step."""
-
-    catch_up: float = 0.0
-    steps: list[tuple[int, float]] = field(default_factory=list)
+Steps = list[tuple[int, float]]  # per batched draft step: its rows (padding included), seconds
 
 
-def draft_together(jobs: Sequence[DraftJob]) -> tuple[list[Proposal], DraftTimes]:
+def draft_together(jobs: Sequence[DraftJob]) -> tuple[list[Proposal], Steps]:
     """Up to k tokens after each job's sequence, one batched call of the draft model per step.
     A request whose draft is done (k steps, its room, or the draft is unsure: verifying now
     beats drafting on) sits out the remaining steps. Its first step feeds each request what
-    the draft model has not read yet. Constraints end where they began: drafting walks them
-    ahead and steps them back."""
+    the draft model has not read yet (a request far behind catches up first, in a call of its
+    own, which is not a step). Constraints end where they began: drafting walks them ahead and
+    steps them back. Also returns each step's rows and seconds, which refine the draft model's
+    cost curve; a step's seconds include drawing its tokens (a softmax over the vocabulary per
+    row, for the confidence): timed around the call alone, the curve left out host work that
+    drafting pays every step."""
     engine, ids = jobs[0].drafter.engine, jobs[0].drafter.ids
     last = engine.vocab_size - 1
     proposals = [Proposal(list(job.prefix), [None] * len(job.prefix)) for job in jobs]
@@ -170,12 +165,11 @@ def draft_together(jobs: Sequence[DraftJob]) -> tuple[list[Proposal], DraftTimes
         for i, job in enumerate(jobs)
         if job.k
     }
-    start = time.perf_counter()
     for i, feed in feeds.items():
         if len(feed) > CATCH_UP:  # a call of its own, so that no other row is padded to it
             engine.forward_rows([(jobs[i].drafter.slot, feed[:-1])], last=1)
             feeds[i] = feed[-1:]
-    times = DraftTimes(catch_up=time.perf_counter() - start)
+    steps: Steps = []
     while feeds:
         calls = [(jobs[i].drafter.slot, feed) for i, feed in feeds.items()]
         width = max(len(feed) for feed in feeds.values())
@@ -197,11 +191,11 @@ def draft_together(jobs: Sequence[DraftJob]) -> tuple[list[Proposal], DraftTimes
             ended = job.constraints is not None and token in job.constraints.eos
             if ended or proposal.steps == job.k or len(proposal.tokens) >= job.limit:
                 del feeds[i]
-        times.steps.append((len(calls) * width, time.perf_counter() - start))  # draws included
+        steps.append((len(calls) * width, time.perf_counter() - start))  # draws included
     for job, base in zip(jobs, bases, strict=True):
         if job.constraints is not None:
             job.constraints.rollback_to(base)
-    return proposals, times
+    return proposals, steps
 
 
 def _follow(job: DraftJob, proposal: Proposal, token: int) -> list[int]:

@@ -27,9 +27,9 @@ from specrt.runtime.costs import StepCosts
 from specrt.runtime.drafters import (
     Drafter,
     DraftJob,
-    DraftTimes,
     Offer,
     Proposal,
+    Steps,
     draft_together,
     draw,
 )
@@ -114,7 +114,7 @@ def speculate(reqs: list[Request], target: Engine, costs: StepCosts) -> Round:
         for r, o, room in zip(reqs, offers, rooms, strict=True)
     ]
     decisions = decide_round([r.policy for r in reqs], contexts, costs)
-    proposals, times = _propose(reqs, offers, decisions, rooms)
+    proposals, steps = _propose(reqs, offers, decisions, rooms)
     t1 = time.perf_counter()
     logits = target.forward_rows(
         [(r.slot, [r.seq[-1], *p.tokens]) for r, p in _pairs(reqs, proposals)]
@@ -141,7 +141,7 @@ def speculate(reqs: list[Request], target: Engine, costs: StepCosts) -> Round:
         emitted.append(kept)
         logprobs.append(_logprobs(r, scores, kept))
     drafted = [len(p.tokens) for p in proposals]
-    _observe_costs(costs, drafted, times, t2 - t1)
+    _observe_costs(costs, drafted, steps, t2 - t1)
     sources = [o.source if n else "none" for o, n in _pairs(offers, drafted)]
     return Round(decisions, sources, drafted, accepted, emitted, t1 - t0, t2 - t1, logprobs)
 
@@ -167,7 +167,7 @@ def _propose(reqs: list[Request], offers: list[Offer], decisions: list[Decision]
     """Each request's drafts (lookups alone, model drafts for all requests together), and what
     the draft model's calls took (see `draft_together`)."""
     proposals = [Proposal() for _ in reqs]
-    together, times = [], DraftTimes()
+    together, steps = [], []
     for i, (r, offer, decision) in enumerate(zip(reqs, offers, decisions, strict=True)):
         if offer.source == "model" and (decision.k or offer.prefix):
             together.append(i)
@@ -176,15 +176,15 @@ def _propose(reqs: list[Request], offers: list[Offer], decisions: list[Decision]
             proposals[i] = r.drafter.propose(r.seq, decision.k, r.params, r.rng, threshold)
     if together:
         jobs = [_draft_job(reqs[i], decisions[i].k, rooms[i], offers[i]) for i in together]
-        drafted, times = draft_together(jobs)
+        drafted, steps = draft_together(jobs)
         for i, proposal in zip(together, drafted, strict=True):
             proposals[i] = proposal
-    return proposals, times
+    return proposals, steps
 
 
-def _observe_costs(costs, drafted, times: DraftTimes, verify_s: float) -> None:
+def _observe_costs(costs, drafted, steps: Steps, verify_s: float) -> None:
     """Refine the cost curves with what this round's calls took: the verify call, and each
     batched step of the draft model by its rows (forced tokens and lookups cost it nothing)."""
     costs.observe_verify(len(drafted) * (max(drafted) + 1), verify_s)
-    for rows, seconds in times.steps:
+    for rows, seconds in steps:
         costs.observe_draft(rows, seconds)

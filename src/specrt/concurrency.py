@@ -446,9 +446,10 @@ def _llama_lines(result: dict) -> list[str]:
     lines = ["", *result.get("notes", [])] if result.get("notes") else []
     for name in dict.fromkeys(e["name"] for e in llama):
         own = [e for e in llama if e["name"] == name]
-        changed = sum(e["mismatches"] for e in own)
+        changed = sum(e["mismatches"] for e in own)  # over every run of a level
+        sent = sum(e["requests"] * len(e.get("aggregate_runs", [0])) for e in own)
         lines.append(
-            f"- {name}: {changed} of {sum(e['requests'] for e in own)} outputs changed with "
+            f"- {name}: {changed} of {sent} outputs changed with "
             f"load (against its own at one client); its one-client outputs equal specrt's "
             f"for {own[0]['matches_specrt']} prompts."
         )

@@ -10,6 +10,7 @@ from specrt.runtime import SpeculativeRuntime
 from specrt.runtime.controller import (
     PROBE_AFTER,
     SWITCH_GAIN,
+    WARM_UP_K,
     Adaptive,
     Fixed,
     Heuristic,
@@ -233,20 +234,46 @@ def test_a_new_request_starts_from_the_acceptance_its_runtime_has_seen():
     """In a batch of 2 on the gguf target's curves, drafting one token pays from an acceptance
     of about 0.8: requests starting from the fixed prior (0.7) would never draft, and there no
     probe widens the call to learn better. Requests that start from what the runtime's earlier
-    requests accepted (above 0.9 here) draft, then follow their own drafts."""
+    requests accepted (above 0.9 here) draft, then follow their own drafts; a runtime that has
+    judged none yet drafts to learn (warming up), and prices from what it learnt."""
     costs = _gguf_costs()
-    pool = PooledAcceptance()
     contexts = [RoundContext(8, 100)] * 2
+    prior_only = [Adaptive(costs=costs, prior_alpha=0.7) for _ in range(2)]
+    assert [d.k for d in decide_together(prior_only, contexts, costs)] == [0, 0]  # the trap
+    pool = PooledAcceptance()
     fresh = [Adaptive(costs=costs, prior_alpha=0.7, pool=pool) for _ in range(2)]
-    assert [d.k for d in decide_together(fresh, contexts, costs)] == [0, 0]
+    first = decide_together(fresh, contexts, costs)
+    assert [d.k for d in first] == [WARM_UP_K] * 2 and "warming up" in first[0].reason
     earlier = Adaptive(costs=costs, prior_alpha=0.7, pool=pool)
     earlier.decide(RoundContext(8, 100))
     for accepted in [4] * 8 + [3] * 2:
         earlier.observe(4, accepted)
-    assert pool.alpha("model") > 0.9
+    assert pool.warm("model") and pool.alpha("model") > 0.9
     after = [Adaptive(costs=costs, prior_alpha=0.7, pool=pool) for _ in range(2)]
-    assert min(d.k for d in decide_together(after, contexts, costs)) >= 1
+    decided = decide_together(after, contexts, costs)
+    assert min(d.k for d in decided) >= 1 and "warming up" not in decided[0].reason
+    poor = PooledAcceptance()
+    poor.observe("model", 2, 8)  # ten drafts judged, one in five accepted: not worth drafting
+    assert poor.warm("model")
+    learnt = [Adaptive(costs=costs, prior_alpha=0.7, pool=poor) for _ in range(2)]
+    assert [d.k for d in decide_together(learnt, contexts, costs)] == [0, 0]
+    alone = Adaptive(costs=costs, prior_alpha=0.7, pool=PooledAcceptance())
+    assert "warming up" not in alone.decide(RoundContext(8, 100)).reason  # alone, probes learn
     assert make_controller("adaptive", 8, costs, pool=pool).pool is pool
+
+
+def test_only_the_requests_of_a_source_not_yet_learnt_warm_up():
+    """A request drafting by lookup (its source new to the runtime) warms up alone; the
+    request drafting by the model, whose acceptance the runtime knows, still prices its K,
+    knowing the lookup's width."""
+    costs = _gguf_costs()
+    pool = PooledAcceptance()
+    pool.observe("model", 2, 8)
+    policies = [Adaptive(costs=costs, pool=pool) for _ in range(2)]
+    lookup, model = RoundContext(8, 100, source="ngram"), RoundContext(8, 100)
+    warming, priced = decide_together(policies, [lookup, model], costs)
+    assert warming.k == WARM_UP_K and "warming up (ngram" in warming.reason
+    assert priced.k == 0 and "tok/s" in priced.reason
 
 
 def test_a_batch_keeps_its_course_where_drafting_and_the_target_alone_price_alike():

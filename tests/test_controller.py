@@ -262,6 +262,28 @@ def test_a_new_request_starts_from_the_acceptance_its_runtime_has_seen():
     assert make_controller("adaptive", 8, costs, pool=pool).pool is pool
 
 
+def test_one_rejected_draft_does_not_end_a_requests_drafting():
+    """A request's own drafts are a small sample, so its estimate is shrunk toward what the
+    runtime's requests accepted. In a batch of 2 on the gguf target's curves, with the pool at
+    0.9, two new requests whose first drafts are both rejected still draft (their estimates
+    fall toward the pool's, not to 0.6), where an estimate from their own drafts alone priced
+    K = 0 and, since no probe widens a batch's call, never drafted again."""
+    costs = _gguf_costs()
+    pool = PooledAcceptance()
+    pool.observe("model", 45, 5)
+    batch = [Adaptive(costs=costs, pool=pool) for _ in range(2)]
+    first = decide_together(batch, [RoundContext(8, 100)] * 2, costs)
+    assert min(d.k for d in first) >= 1
+    for policy, decision in zip(batch, first, strict=True):
+        policy.observe(decision.k, 0)
+    after = decide_together(batch, [RoundContext(8, 100, lag=1)] * 2, costs)
+    assert min(d.k for d in after) >= 1
+    assert 0.7 < batch[0].alpha() < pool.alpha("model")
+    loner = Adaptive(costs=costs, prior_alpha=0.7)  # without a pool, the prior is the base
+    loner.observe(8, 8)
+    assert 0.7 < loner.alpha() < 1.0
+
+
 def test_only_the_requests_of_a_source_not_yet_learnt_warm_up():
     """A request drafting by lookup (its source new to the runtime) warms up alone; the
     request drafting by the model, whose acceptance the runtime knows, still prices its K,

@@ -7,11 +7,12 @@ choice is explainable in the stats.
 The adaptive policy maximises expected tokens per second for the whole batch. With per-token
 acceptance α, a request drafting K tokens emits E = (1 - α^(K+1)) / (1 - α) tokens a round; a
 round of B requests costs the draft steps for the rows that draft plus one verify call of
-B·(K+1) rows. α decays toward recent rounds of each request, while both cost curves come from
-`StepCosts`, measured on this machine and shared across requests (costs belong to the machine,
-acceptance to the request). K = 0 (the target alone) is a choice like any other: as the batch
-grows, the verify call turns compute-bound and extra rows stop being free (SmartSpec, Liu et
-al. 2024, picks K from 0 per round the same way). At batch 1 this is the single-stream policy.
+B·(K+1) rows. α is each request's recent drafts, shrunk toward what its runtime's requests
+accepted (`PooledAcceptance`), while both cost curves come from `StepCosts`, measured on this
+machine and shared across requests (costs belong to the machine, acceptance to the request).
+K = 0 (the target alone) is a choice like any other: as the batch grows, the verify call turns
+compute-bound and extra rows stop being free (SmartSpec, Liu et al. 2024, picks K from 0 per
+round the same way). At batch 1 this is the single-stream policy.
 """
 
 from __future__ import annotations
@@ -87,11 +88,11 @@ class Heuristic:
 @dataclass
 class PooledAcceptance:
     """Acceptance per draft source over every request of a runtime, decayed per drafted token:
-    where a new request's own estimate starts. Acceptance belongs to the request, but a pair's
-    typical acceptance is known before a request drafts its first token. Started from a fixed
-    prior instead, a new request in a busy batch priced drafting below the target alone, and
-    a probe there widens every request's call, so it never drafted to learn better (measured at
-    2 clients on the gguf target: K = 0 throughout, 0.80x fixed K = 1)."""
+    what each request's own estimate is shrunk toward. Acceptance belongs to the request, but a
+    pair's typical acceptance is known before a request drafts its first token. Started from a
+    fixed prior instead, a new request in a busy batch priced drafting below the target alone,
+    and a probe there widens every request's call, so it never drafted to learn better
+    (measured at 2 clients on the gguf target: K = 0 throughout, 0.80x fixed K = 1)."""
 
     decay: float = 0.99  # the last ~100 drafted tokens of any request
     counts: dict[str, list[float]] = field(default_factory=dict)  # source: [accepted, rejected]
@@ -136,9 +137,9 @@ class Adaptive:
     k_min: int = 0
     k_max: int = 8  # drafts from the draft model
     k_lookup: int = 8  # free drafts (a lookup, a prediction): bounded by the verify curve only
-    decay: float = 0.9  # per observed token: the estimate follows the last ~10 drafts
-    prior_alpha: float = 0.7
-    prior_weight: float = 2.0  # pseudo-tokens behind the prior; they decay like real ones
+    decay: float = 0.95  # per observed token: a request's own drafts weigh its last ~20
+    prior_alpha: float = 0.7  # the base of its estimate until its runtime's pool is warm
+    pool_weight: float = 8.0  # drafts' worth of that base behind every estimate (see `alpha`)
     confidence_threshold: float = 0.4  # stop drafting when the draft's top probability is below
     long_context: int = 1024  # past this many tokens, K is halved (attention starts to cost)
     costs: StepCosts = field(default_factory=StepCosts)  # shared by the runtime's requests
@@ -149,16 +150,23 @@ class Adaptive:
     last_k: int | None = field(init=False, default=None)  # drafts of its last round
 
     def alpha(self, source: str = "model") -> float:
-        """Acceptance per drafted token: the geometric MLE over recent, decayed observations."""
-        accepted, rejected = self._counts(source)
-        return accepted / (accepted + rejected)
+        """Acceptance per drafted token: the geometric MLE over this request's recent (decayed)
+        drafts and `pool_weight` drafts at its runtime's pooled acceptance (the fixed prior
+        until the pool is warm, or without one). The pool's share never fades: a request's
+        last ~20 drafts are a small sample, and the best K priced from them alone followed
+        lucky streaks into long rounds and single rejections down to K = 0. At 2 clients on the
+        gguf target that ran at 0.91x the best fixed K (its K jumped 1..8 round by round, and
+        one request whose first draft was rejected never drafted again); replayed on recorded
+        acceptance and measured costs, shrinking toward the pool gave 0.99x there and 1.00x
+        alone (docs/batching.md)."""
+        accepted, rejected = self.counts.get(source, (0.0, 0.0))
+        weight = self.pool_weight
+        return (accepted + weight * self._base(source)) / (accepted + rejected + weight)
 
-    def _counts(self, source: str) -> list[float]:
-        if source not in self.counts:
-            pooled = self.pool.alpha(source) if self.pool is not None else None
-            alpha = self.prior_alpha if pooled is None else pooled
-            self.counts[source] = [alpha * self.prior_weight, (1 - alpha) * self.prior_weight]
-        return self.counts[source]
+    def _base(self, source: str) -> float:
+        if self.pool is not None and self.pool.warm(source):
+            return self.pool.alpha(source)
+        return self.prior_alpha
 
     def learning(self, source: str) -> bool:
         """Whether its runtime's pool has yet to learn this source's acceptance."""
@@ -181,7 +189,8 @@ class Adaptive:
         self.last_k = k
         if k > 0:
             rejected = 1 if accepted < k else 0  # drafts after a rejection are never judged
-            fade_in(self._counts(self.source), self.decay, accepted, rejected)
+            own = self.counts.setdefault(self.source, [0.0, 0.0])
+            fade_in(own, self.decay, accepted, rejected)
             if self.pool is not None:
                 self.pool.observe(self.source, accepted, rejected)
 

@@ -27,3 +27,12 @@ def flat_costs() -> FixedCosts:
         draft={1: 0.002, 16: 0.004, 33: 0.006},
         verify={1: 0.010, 33: 0.010 + 0.0005 * 32},
     )
+
+
+def gguf_costs() -> FixedCosts:
+    """The gguf 1.5B target's and the int4 0.5B draft's curves, calibrated at 8 slots on a
+    2-core AVX-512 EPYC (fixed here: no CPU decides a test that uses them)."""
+    verify = {1: 0.0608, 2: 0.0682, 3: 0.0808, 4: 0.0941, 5: 0.1043, 8: 0.1372, 10: 0.1709}
+    verify |= {16: 0.2291, 24: 0.3467, 40: 0.5123}
+    draft = {1: 0.0138, 2: 0.0166, 4: 0.0257, 8: 0.0403, 16: 0.0635}
+    return FixedCosts(draft=draft, verify=verify)

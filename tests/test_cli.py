@@ -102,3 +102,18 @@ def test_generate_rejects_bad_parameters_cleanly(bundles, args, message):
 def test_missing_bundle_is_a_clear_error(tmp_path):
     done = specrt("generate", str(tmp_path / "nowhere"), "hi", check=False)
     assert done.returncode == 1 and "no such bundle folder" in done.stderr
+
+
+def test_replay_records_acceptance_once_and_prices_each_controller(bundles, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "def fibonacci(n):"}\n{"prompt": "The capital of"}\n')
+    traces = tmp_path / "traces.json"
+    args = ["replay", str(bundles["qwen2"]), "--prompts", str(prompts), "--max-new-tokens", "24"]
+    first = specrt(*args, "--clients", "1,2", "--traces", str(traces))
+    assert "recording acceptance on 2 prompts" in first.stderr and traces.exists()
+    assert "| clients | fixed:0 |" in first.stdout and "\n| 2 | " in first.stdout
+    again = specrt(*args, "--clients", "2", "--traces", str(traces))
+    assert "recording" not in again.stderr and "\n| 2 | " in again.stdout
+    traces.write_text("[]")
+    broken = specrt(*args, "--traces", str(traces), check=False)
+    assert broken.returncode == 1 and "not a file of acceptance traces" in broken.stderr

@@ -4,7 +4,7 @@ grows, obeys room, and drafting stops early when the draft is unsure."""
 from __future__ import annotations
 
 import pytest
-from fixed_costs import FixedCosts, flat_costs
+from fixed_costs import flat_costs, gguf_costs
 
 from specrt.runtime import SpeculativeRuntime
 from specrt.runtime.controller import (
@@ -202,15 +202,6 @@ def test_a_request_without_drafts_is_probed_now_and_then():
     assert decision.k == 1 and "probing" in decision.reason
 
 
-def _gguf_costs() -> FixedCosts:
-    """The gguf 1.5B target's and the int4 0.5B draft's curves, calibrated at 8 slots on a
-    2-core AVX-512 EPYC (fixed here: no CPU decides a test that uses them)."""
-    verify = {1: 0.0608, 2: 0.0682, 3: 0.0808, 4: 0.0941, 5: 0.1043, 8: 0.1372, 10: 0.1709}
-    verify |= {16: 0.2291, 24: 0.3467, 40: 0.5123}
-    draft = {1: 0.0138, 2: 0.0166, 4: 0.0257, 8: 0.0403, 16: 0.0635}
-    return FixedCosts(draft=draft, verify=verify)
-
-
 def test_the_first_draft_step_is_priced_with_what_the_draft_has_not_read():
     """A round that kept every draft leaves the draft model two tokens to read, so in a batch
     the first draft step is about twice as wide as the rest. The curves are the gguf 1.5B
@@ -218,7 +209,7 @@ def test_the_first_draft_step_is_priced_with_what_the_draft_has_not_read():
     here: no CPU decides the test). At 4 requests and acceptance 0.85 the target alone is the
     better round, as measured there; priced at one row a request, K = 1 would have looked 7 %
     better than K = 0."""
-    costs = _gguf_costs()
+    costs = gguf_costs()
     verify = costs.verify
     assert first_step_rows([(1, 0.85)]) == pytest.approx(1.85)
     assert first_step_rows([(1, 0.85)] * 4) == pytest.approx(4 * (2 - 0.15**4))
@@ -236,7 +227,7 @@ def test_a_new_request_starts_from_the_acceptance_its_runtime_has_seen():
     probe widens the call to learn better. Requests that start from what the runtime's earlier
     requests accepted (above 0.9 here) draft, then follow their own drafts; a runtime that has
     judged none yet drafts to learn (warming up), and prices from what it learnt."""
-    costs = _gguf_costs()
+    costs = gguf_costs()
     contexts = [RoundContext(8, 100)] * 2
     prior_only = [Adaptive(costs=costs, prior_alpha=0.7) for _ in range(2)]
     assert [d.k for d in decide_together(prior_only, contexts, costs)] == [0, 0]  # the trap
@@ -268,7 +259,7 @@ def test_one_rejected_draft_does_not_end_a_requests_drafting():
     0.9, two new requests whose first drafts are both rejected still draft (their estimates
     fall toward the pool's, not to 0.6), where an estimate from their own drafts alone priced
     K = 0 and, since no probe widens a batch's call, never drafted again."""
-    costs = _gguf_costs()
+    costs = gguf_costs()
     pool = PooledAcceptance()
     pool.observe("model", 45, 5)
     batch = [Adaptive(costs=costs, pool=pool) for _ in range(2)]
@@ -288,7 +279,7 @@ def test_only_the_requests_of_a_source_not_yet_learnt_warm_up():
     """A request drafting by lookup (its source new to the runtime) warms up alone; the
     request drafting by the model, whose acceptance the runtime knows, still prices its K,
     knowing the lookup's width."""
-    costs = _gguf_costs()
+    costs = gguf_costs()
     pool = PooledAcceptance()
     pool.observe("model", 2, 8)
     policies = [Adaptive(costs=costs, pool=pool) for _ in range(2)]
@@ -303,7 +294,7 @@ def test_a_batch_keeps_its_course_where_drafting_and_the_target_alone_price_alik
     the target alone. A batch that drafted last round (its draft model caught up) keeps
     drafting; one that did not keeps to the target alone. Flipping on noise made every return
     to drafting pay a catch-up."""
-    costs = _gguf_costs()
+    costs = gguf_costs()
     alone_rate = 4 / costs.verify_cost(4)
     k1_rate = price_round([1] * 4, [0.9] * 4, ["model"] * 4, [(2, None)] * 4, (), costs)[0]
     assert alone_rate < k1_rate < SWITCH_GAIN * alone_rate

@@ -354,6 +354,53 @@ def demo(tiny: bool, max_new_tokens: int | None, float32_target: bool):
     run_comparison(bundle, prompt, max_new_tokens or config["max_new_tokens"], chat=chat, log=_log)
 
 
+@cli.command("replay")
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option(
+    "--prompts",
+    "prompt_files",
+    multiple=True,
+    type=click.Path(path_type=Path),
+    help="JSONL prompt set (repeatable). Default: benchmarks/prompts/*.jsonl.",
+)
+@click.option("--max-new-tokens", default=128, show_default=True)
+@click.option("--clients", default="1,2,4,8", show_default=True, help="Comma-separated counts.")
+@click.option(
+    "--traces",
+    type=click.Path(path_type=Path),
+    help="Read the recorded acceptance from this file if it exists, else record it there.",
+)
+def replay_command(bundle: Path, prompt_files, max_new_tokens: int, clients: str, traces):
+    """Replay fixed K and adaptive on this pair's recorded acceptance, priced with this
+    machine's calibrated costs: tokens/s per controller and client count, free of the clock's
+    noise (decoding only). For tuning a controller; the benchmarks measure the real thing."""
+    from specrt import replay
+    from specrt.bench import load_prompts
+    from specrt.runtime import SpeculativeRuntime
+
+    levels = [int(n) for n in clients.split(",")]
+    _log(f"loading {bundle} with {max(levels)} slots (and calibrating its cost curves)")
+    rt = SpeculativeRuntime.load(bundle, slots=max(levels))
+    if traces is not None and traces.exists():
+        recorded = replay.load(traces)
+    else:
+        prompts = load_prompts(_prompt_files(prompt_files))
+        _log(f"recording acceptance on {len(prompts)} prompts")
+        recorded = replay.record(
+            rt, [p.get("messages") or p["prompt"] for p in prompts], max_new_tokens
+        )
+        if traces is not None:
+            replay.save(recorded, traces)
+    click.echo(replay.report(recorded, levels, rt.costs, rt.bundle.max_draft))
+
+
+def _prompt_files(given) -> list[Path]:
+    files = list(given) or sorted(Path("benchmarks/prompts").glob("*.jsonl"))
+    if not files:
+        raise SpecrtError("no prompt files: pass --prompts FILE.jsonl")
+    return files
+
+
 @cli.command()
 @click.argument("bundles", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option(
@@ -427,9 +474,7 @@ def bench(
     """
     from specrt.bench import load_prompts, markdown, run_bench, write_report
 
-    files = list(prompt_files) or sorted(Path("benchmarks/prompts").glob("*.jsonl"))
-    if not files:
-        raise SpecrtError("no prompt files: pass --prompts FILE.jsonl")
+    files = _prompt_files(prompt_files)
     genai = {}
     for item in genai_models:
         label, _, folder = item.rpartition("=")

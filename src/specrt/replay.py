@@ -1,0 +1,203 @@
+"""Replay controllers on recorded acceptance: what a policy's choices earn, without a clock.
+
+A controller's quality is hard to see through wall-clock benchmarks: on a shared 2-core machine
+a level's runs differ by several percent, so one run of adaptive beside fixed K cannot tell the
+policy's error from noise, and every try of a change costs half an hour. Greedy decoding makes
+acceptance replayable: a draft at position t is accepted when the drafts before it were (so it
+too was drafted after the target's own prefix) and the draft model's greedy token there is the
+target's. One pass of the draft model over a target-alone answer therefore records, per
+position, whether a draft there is accepted and how sure the draft was (its confidence cut).
+
+Replaying a policy on those records, with one cost curve standing for the machine, is
+arithmetic: the same tokens per second on every machine, every time. It runs the real
+controllers (`decide_round`, `observe`, a shared `PooledAcceptance`) and prices each round as
+the loop runs it: the draft model's catch-ups and steps (padded to the widest feed), the verify
+call padded to the widest request, requests in lockstep groups of `clients`. What it leaves
+out: prefill, host work between calls, the clock's noise and the curves' refinement by the
+rounds (the policy sees the true curve); the benchmarks measure those.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from specrt.errors import SpecrtError
+from specrt.files import write_json_atomic
+from specrt.runtime.controller import PooledAcceptance, RoundContext, decide_round, make_controller
+from specrt.runtime.costs import StepCosts
+from specrt.runtime.drafters import CATCH_UP
+
+
+@dataclass(frozen=True)
+class Trace:
+    """One prompt's target-alone answer, as the draft model saw it (greedy)."""
+
+    prompt_tokens: int
+    agrees: list[bool]  # per answer token: the draft's greedy token there is the target's
+    confidence: list[float]  # per answer token: the draft's top probability there
+
+
+@dataclass
+class Replay:
+    tokens_per_s: float  # decoding only: prefill is left out
+    ks: list[list[int]]  # per request, its K each round
+    accepted: list[list[int]]  # per request, its drafts accepted each round
+
+
+def record(runtime, prompts: Sequence, max_new_tokens: int) -> list[Trace]:
+    """Each prompt's trace: the target alone answers (greedy, exactly max_new_tokens), then the
+    draft model reads prompt and answer in one call."""
+    if runtime.draft is None:
+        raise SpecrtError("replaying needs a bundle with a draft model; this one has none")
+    traces = []
+    for prompt in prompts:
+        ids = runtime.encode(prompt)
+        answer = runtime.generate(
+            ids, max_new_tokens=max_new_tokens, ignore_eos=True, speculate=False
+        ).token_ids
+        traces.append(_trace(runtime.draft, ids, answer, runtime.target.vocab_size))
+    return traces
+
+
+def _trace(draft, ids: list[int], answer: list[int], vocab: int) -> Trace:
+    draft.reset(0)
+    logits = draft.forward_rows([(0, [*ids, *answer[:-1]])], last=len(answer))[0]
+    draft.reset(0)
+    logits = logits[:, : min(vocab, draft.vocab_size)].astype(np.float64)
+    top = logits.max(axis=1, keepdims=True)
+    confidence = 1.0 / np.exp(logits - top).sum(axis=1)
+    agrees = logits.argmax(axis=1) == np.asarray(answer)
+    return Trace(len(ids), agrees.tolist(), np.round(confidence, 4).tolist())
+
+
+def save(traces: Sequence[Trace], path: Path) -> None:
+    write_json_atomic(path, {"traces": [asdict(trace) for trace in traces]})
+
+
+def load(path: Path) -> list[Trace]:
+    try:
+        return [Trace(**trace) for trace in json.loads(Path(path).read_text())["traces"]]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise SpecrtError(f"{path}: not a file of acceptance traces ({error})") from None
+
+
+def replay(
+    traces: Sequence[Trace],
+    controller: str,
+    clients: int,
+    costs: StepCosts,
+    k_max: int = 8,
+    pool: PooledAcceptance | None = None,
+) -> Replay:
+    """Tokens per second of `controller` serving the traces `clients` at a time. pool: the
+    acceptance the runtime has seen (default: none yet, so a batch first drafts to learn it)."""
+    pool = PooledAcceptance() if pool is None else pool
+    seconds, tokens, requests = 0.0, 0, []
+    for start in range(0, len(traces), clients):
+        group = [
+            _Request(trace, make_controller(controller, k_max, costs, pool=pool))
+            for trace in traces[start : start + clients]
+        ]
+        while live := [r for r in group if r.pos < len(r.trace.agrees)]:
+            seconds += _round(live, costs)
+        tokens += sum(len(r.trace.agrees) - 1 for r in group)  # the first is the prefill's
+        requests += group
+    if not seconds:
+        raise SpecrtError("nothing to replay: each answer needs at least 2 tokens")
+    return Replay(tokens / seconds, [r.ks for r in requests], [r.accepted for r in requests])
+
+
+@dataclass
+class _Request:
+    trace: Trace
+    policy: object
+    pos: int = 1  # the answer's next token; prefill drew the first
+    lag: int = 0  # tokens the draft model has not read: at first the prompt and that token
+    ks: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.lag = self.trace.prompt_tokens + 1
+
+    @property
+    def room(self) -> int:
+        return len(self.trace.agrees) - self.pos - 1
+
+    def context(self) -> RoundContext:
+        position = self.trace.prompt_tokens + self.pos
+        return RoundContext(self.room, position, "model", self.lag, max(1, self.room + 1))
+
+    def draft(self, k: int) -> tuple[int, int]:
+        """Drafts proposed and draft-model steps taken for K = k: after the first, drafting
+        stops where the draft is unsure (that step is paid, its token dropped)."""
+        threshold = self.policy.confidence_threshold
+        for j in range(k):
+            if j and self.trace.confidence[self.pos + j] < threshold:
+                return j, j + 1
+        return k, k
+
+    def advance(self, k: int, drafted: int, steps: int) -> None:
+        """Emit the accepted drafts and the target's token; the draft model keeps what it read
+        of them (it never reads its last proposal unless a cut step did)."""
+        accepted = 0
+        while accepted < drafted and self.trace.agrees[self.pos + accepted]:
+            accepted += 1
+        self.policy.observe(drafted, accepted)
+        self.ks.append(k)
+        self.accepted.append(accepted)
+        if drafted:  # it read `steps - 1` drafts, then was rolled back to the accepted ones
+            self.lag = accepted + 1 - min(accepted, steps - 1)
+        else:
+            self.lag += 1
+        self.pos += accepted + 1
+
+
+def _round(live: list[_Request], costs: StepCosts) -> float:
+    decisions = decide_round([r.policy for r in live], [r.context() for r in live], costs)
+    drafts = [r.draft(d.k) for r, d in zip(live, decisions, strict=True)]
+    seconds = _draft_seconds([(r.lag, *d) for r, d in zip(live, drafts, strict=True)], costs)
+    seconds += costs.verify_cost(len(live) * (max(drafted for drafted, _ in drafts) + 1))
+    for r, d, (drafted, steps) in zip(live, decisions, drafts, strict=True):
+        r.advance(d.k, drafted, steps)
+    return seconds
+
+
+def _draft_seconds(drafts: list[tuple[int, int, int]], costs: StepCosts) -> float:
+    """The draft model's calls for (lag, drafted, steps) per request, as `draft_together` makes
+    them: a feed longer than CATCH_UP in a call of its own, then one batched call a step, the
+    first padded to its widest feed."""
+    drafting = [(lag, steps) for lag, drafted, steps in drafts if drafted]
+    if not drafting:
+        return 0.0
+
+    def call(rows: int) -> float:
+        return costs.draft_cost("model", 1, rows)
+
+    seconds = sum(call(lag - 1) for lag, _ in drafting if lag > CATCH_UP)
+    feeds = [1 if lag > CATCH_UP else lag for lag, _ in drafting]
+    seconds += call(len(drafting) * max(feeds))
+    for s in range(1, max(steps for _, steps in drafting)):
+        seconds += call(sum(1 for _, steps in drafting if steps > s))
+    return seconds
+
+
+def report(traces: Sequence[Trace], levels: Sequence[int], costs: StepCosts, k_max: int) -> str:
+    """A Markdown table: tokens/s of fixed K = 0..k_max and adaptive at each client count, and
+    adaptive's ratio to the best fixed K (the goal is >= 0.95). As in `specrt bench`, the
+    levels share one runtime's pool in turn, so only the first starts cold."""
+    names = [f"fixed:{k}" for k in range(k_max + 1)] + ["adaptive"]
+    pool = PooledAcceptance()
+    lines = [
+        "| clients | " + " | ".join(names) + " | adaptive / best fixed |",
+        "|---" * (len(names) + 2) + "|",
+    ]
+    for clients in levels:
+        rates = [replay(traces, name, clients, costs, k_max, pool).tokens_per_s for name in names]
+        cells = " | ".join(f"{rate:.1f}" for rate in rates)
+        lines.append(f"| {clients} | {cells} | {rates[-1] / max(rates[:-1]):.2f} |")
+    return "\n".join(lines)

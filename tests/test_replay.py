@@ -1,0 +1,83 @@
+"""Replaying controllers on recorded acceptance: the replay follows the loop round by round and
+prices its calls as the loop makes them; on acceptance recorded from the real gguf pair, the
+adaptive controller earns within 5 % of the best fixed K at every client count. Arithmetic on
+fixed curves: no CPU, speed or load decides these verdicts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from fixed_costs import FixedCosts, flat_costs, gguf_costs
+
+from specrt import replay
+from specrt.errors import SpecrtError
+from specrt.runtime import SpeculativeRuntime
+from specrt.runtime.controller import Adaptive, PooledAcceptance
+
+PROMPT = "def fibonacci(n):"
+# Qwen2.5-Coder 0.5B int4 drafting for the 1.5B gguf target, 8 chat and code prompts, 128
+# tokens each (benchmarks/prompts/chat.jsonl, code.jsonl), recorded with `replay.record`.
+RECORDED = Path(__file__).parent / "data" / "acceptance-qwen2.5-coder-gguf.json"
+
+
+def test_a_replay_follows_the_loop(agree_bundle, disagree_bundle):
+    """Per round, the K and the accepted drafts of a real run, for a draft that always agrees
+    and one that never does."""
+    for bundle, agreeing in ((agree_bundle, True), (disagree_bundle, False)):
+        rt = SpeculativeRuntime.load(bundle, threads=1, calibrate=False)
+        traces = replay.record(rt, [PROMPT], 40)
+        assert all(traces[0].agrees) if agreeing else not any(traces[0].agrees)
+        real = rt.generate(PROMPT, max_new_tokens=40, ignore_eos=True, controller="fixed:3")
+        replayed = replay.replay(traces, "fixed:3", 1, flat_costs())
+        assert replayed.ks == [real.stats.ks]
+        assert replayed.accepted == [real.stats.accepted_counts]
+
+
+def test_a_replayed_round_is_priced_as_the_loop_calls_the_engines():
+    """A draft step costs its rows, a verify call 10 a row. Round 1 (K = 2): the draft model
+    catches up on the prompt in a call of its own (5 rows), drafts 2 steps, one draft is
+    accepted, the call verifies 3 rows: 5 + 1 + 1 + 30. Round 2 (K = 2): both accepted, 1 + 1
+    + 30. Round 3 (room for 1): the draft reads the kept draft and the bonus token in one step
+    of 2 rows, then 20."""
+    costs = FixedCosts(draft={1: 1.0, 16: 16.0}, verify={1: 10.0, 16: 160.0})
+    agrees = [True, True, False, True, True, True, True, True]
+    trace = replay.Trace(prompt_tokens=5, agrees=agrees, confidence=[1.0] * 8)
+    replayed = replay.replay([trace], "fixed:2", 1, costs)
+    assert replayed.ks == [[2, 2, 1]] and replayed.accepted == [[1, 2, 1]]
+    assert replayed.tokens_per_s == pytest.approx(7 / (37 + 32 + 22))
+
+
+def test_an_unsure_draft_ends_the_replayed_drafts_as_in_the_loop():
+    """After the first, a draft below the policy's confidence threshold is not proposed, but
+    the step that drew it was paid."""
+    confidence = [1.0, 1.0, 0.9, 0.2, 1.0, 1.0]
+    trace = replay.Trace(prompt_tokens=5, agrees=[True] * 6, confidence=confidence)
+    request = replay._Request(trace, Adaptive())
+    assert request.draft(4) == (2, 3)  # positions 1 and 2 drafted, 3 drawn and dropped
+    assert request.draft(2) == (2, 2)
+
+
+@pytest.mark.parametrize("clients", [1, 2, 4, 8])
+def test_adaptive_earns_within_5_percent_of_the_best_fixed_k(clients):
+    """The goal of issue 31 on recorded acceptance and the gguf pair's calibrated curves, from
+    a runtime that has served one client first (as `specrt bench` levels do). Before each
+    request's estimate was shrunk toward its runtime's, 2 clients replayed at 0.93x (the
+    benchmarks measured 0.91x there); now 0.97x."""
+    traces = replay.load(RECORDED)
+    costs = gguf_costs()
+    fixed = [replay.replay(traces, f"fixed:{k}", clients, costs).tokens_per_s for k in range(9)]
+    pool = PooledAcceptance()
+    replay.replay(traces, "adaptive", 1, costs, pool=pool)
+    adaptive = replay.replay(traces, "adaptive", clients, costs, pool=pool).tokens_per_s
+    assert adaptive >= 0.95 * max(fixed)
+
+
+def test_a_file_that_is_not_a_trace_says_so(tmp_path):
+    path = tmp_path / "traces.json"
+    path.write_text('{"rows": []}')
+    with pytest.raises(SpecrtError, match="not a file of acceptance traces"):
+        replay.load(path)
+    traces = [replay.Trace(3, [True, False], [1.0, 0.5])]
+    replay.save(traces, path)
+    assert replay.load(path) == traces

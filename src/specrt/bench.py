@@ -107,6 +107,11 @@ def load_prompts(
     return prompts
 
 
+def prompt_input(item: dict) -> str | list[dict]:
+    """What a loaded prompt line asks the model: its chat messages, else its plain text."""
+    return item.get("messages") or item["prompt"]
+
+
 def summarize(name: str, runs: list[Run]) -> Row:
     new = sum(len(r.token_ids) for r in runs)
     seconds = sum(r.seconds for r in runs)
@@ -356,7 +361,7 @@ def run_bench(
     paths = [Path(bundle_paths)] if isinstance(bundle_paths, str | Path) else list(bundle_paths)
     bundles = [Bundle.load(path) for path in paths]
     tokenizer = TextTokenizer.from_bundle(bundles[0])
-    prompt_ids = [tokenizer.encode_prompt(p.get("messages") or p["prompt"]) for p in prompts]
+    prompt_ids = [tokenizer.encode_prompt(prompt_input(p)) for p in prompts]
     wanted = (lambda name: name in only) if only else (lambda name: True)
     own = [p.get("prediction") for p in prompts]
     guesses = {"own": own, "other": own[1:] + own[:1]}  # "other": another prompt's, all wrong

@@ -375,7 +375,7 @@ def replay_command(bundle: Path, prompt_files, max_new_tokens: int, clients: str
     machine's calibrated costs: tokens/s per controller and client count, free of the clock's
     noise (decoding only). For tuning a controller; the benchmarks measure the real thing."""
     from specrt import replay
-    from specrt.bench import load_prompts
+    from specrt.bench import load_prompts, prompt_input
     from specrt.runtime import SpeculativeRuntime
 
     levels = [int(n) for n in clients.split(",")]
@@ -386,9 +386,7 @@ def replay_command(bundle: Path, prompt_files, max_new_tokens: int, clients: str
     else:
         prompts = load_prompts(_prompt_files(prompt_files))
         _log(f"recording acceptance on {len(prompts)} prompts")
-        recorded = replay.record(
-            rt, [p.get("messages") or p["prompt"] for p in prompts], max_new_tokens
-        )
+        recorded = replay.record(rt, [prompt_input(p) for p in prompts], max_new_tokens)
         if traces is not None:
             replay.save(recorded, traces)
     click.echo(replay.report(recorded, levels, rt.costs, rt.bundle.max_draft))

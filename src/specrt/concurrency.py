@@ -28,7 +28,14 @@ from pathlib import Path
 import numpy as np
 
 from specrt import llamacpp, machine
-from specrt.bench import current_rss_mb, fmt, padding_lines, row_padding, write_report
+from specrt.bench import (
+    current_rss_mb,
+    fmt,
+    padding_lines,
+    prompt_input,
+    row_padding,
+    write_report,
+)
 from specrt.bundle import Bundle
 from specrt.errors import SpecrtError
 from specrt.runtime import Generation, Scheduler, SpeculativeRuntime
@@ -218,7 +225,7 @@ def run_concurrency(
         label = rt.bundle.precision_label
         costs[label] = {str(n): round(1000 * s, 1) for n, s in rt.costs.curve().items()}
         padding[label] = row_padding(rt)
-        ids = [rt.encode(p.get("messages") or p["prompt"]) for p in prompts]
+        ids = [rt.encode(prompt_input(p)) for p in prompts]
         alone = {
             i: rt.generate(p, max_new_tokens=max_new_tokens, ignore_eos=True).token_ids
             for i, p in enumerate(ids)

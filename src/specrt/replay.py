@@ -117,12 +117,12 @@ class _Request:
     trace: Trace
     policy: object
     pos: int = 1  # the answer's next token; prefill drew the first
-    lag: int = 0  # tokens the draft model has not read: at first the prompt and that token
+    lag: int = field(init=False)  # tokens the draft model has not read
     ks: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
 
     def __post_init__(self):
-        self.lag = self.trace.prompt_tokens + 1
+        self.lag = self.trace.prompt_tokens + 1  # at first the prompt and prefill's token
 
     @property
     def room(self) -> int:

@@ -12,11 +12,14 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx.utils
+import onnxruntime as ort
 import pytest
 from click.testing import CliRunner
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 from gguf_files import random_blocks, write_tiny_gguf
+from onnx import numpy_helper
 from row_checks import mismatches, this_machine
 
 from specrt.bundle import Bundle
@@ -25,9 +28,13 @@ from specrt.engines.onnxruntime import OrtEngine
 from specrt.errors import SpecrtError
 from specrt.exporter.build import build_bundle
 from specrt.exporter.gguf_blocks import SUPPORTED, row_permutation, to_blocks
+from specrt.exporter.graph import write_graph
 from specrt.exporter.precision import Precision
+from specrt.exporter.projections import EMBEDDED, projections_for
+from specrt.exporter.tensors import open_weights
 from specrt.quality import Comparison, text_labels
 from specrt.runtime import SpeculativeRuntime
+from specrt.sources import Source
 
 MAX_CONTEXT = 128
 
@@ -64,6 +71,33 @@ def test_llama_row_order_matches_transformers():
     w = np.arange(heads * dim * 2)[:, None] * np.ones((1, 3))
     reordered = w.reshape(heads, dim, 2, 3).swapaxes(2, 1).reshape(w.shape)
     assert np.array_equal(w[row_permutation(len(w), heads)], reordered)
+
+
+@pytest.mark.parametrize("kind", SUPPORTED)
+def test_a_gguf_embedding_stays_in_its_blocks_and_gathers_the_same_rows(kind, tmp_path):
+    """A quantized role keeps a GGUF's embedding table in the file's blocks, a sixth to a
+    third of its float32 bytes, and the rows it gathers are the float32 table's, bit for bit;
+    the float32 path gives the same rows from the full table (the comparison's reference)."""
+    path = write_tiny_gguf(tmp_path / "m.gguf", types={"token_embd": kind})
+    tensors = open_weights(Source.parse(str(path)))
+    vocab, hidden = tensors.shape("model.embed_tokens.weight")
+    ids = np.array([[0, 1, vocab - 1], [vocab // 2, 7, 7]], np.int64)
+    want = tensors.rows("model.embed_tokens.weight", ids.ravel()).reshape(*ids.shape, hidden)
+    for weights in ("gguf", "int4", "fp32"):
+        out = tmp_path / weights
+        out.mkdir()
+        write_graph(tensors, out, MAX_CONTEXT, projections_for(Precision(weights)))
+        onnx.utils.extract_model(
+            str(out / "model.onnx"), str(out / "embed.onnx"), ["input_ids"], [EMBEDDED]
+        )
+        session = ort.InferenceSession(str(out / "embed.onnx"))
+        assert np.array_equal(session.run(None, {"input_ids": ids})[0], want), weights
+        graph = onnx.load(str(out / "embed.onnx"))
+        table = sum(numpy_helper.to_array(i).nbytes for i in graph.graph.initializer)
+        if weights == "fp32":
+            assert table >= 4 * vocab * hidden
+        else:
+            assert table <= 4 * vocab * hidden / 2.9, f"{weights}: {table} bytes"
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +153,7 @@ def test_manifest_and_graph_record_each_weights_form(gguf_bundles):
     )
     assert forms["lm_head.weight_t"] == "Q6_K as 8 bits, block 16"
     assert len(forms) == 2 * 7 + 1
+    assert precision["embedding"] == "Q5_1 as 8 bits, block 32 + offsets per 32 inputs, gathered"
     graph = onnx.load(str(role.graph), load_external_data=False)
     matmuls = [n for n in graph.graph.node if n.op_type == "MatMul"]
     assert all(not n.input[1].endswith(".weight_t") for n in matmuls)  # no float projections

@@ -74,7 +74,8 @@ def precision_lines(bundle: Bundle) -> list[str]:
         if "tensors" in info:
             kinds = Counter(form.split(" ")[0] for form in info["tensors"].values())
             blocks = ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items()))
-            how = f" (the GGUF's own blocks: {blocks}; accuracy level {info['accuracy_level']})"
+            how = f" (the GGUF's own blocks: {blocks}; accuracy level {info['accuracy_level']}"
+            how += f"; embedding {info.get('embedding', 'fp32')})"
         elif "block_size" in info:
             how = f" (MatMulNBits, block {info['block_size']}, accuracy level "
             how += f"{info['accuracy_level']}; embedding {info['embedding']})"

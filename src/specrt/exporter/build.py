@@ -225,6 +225,9 @@ def _export_role(
     else:
         write_graph(tensors, folder, capacity, projections)
     record = {"tensors": projections.forms} if precision.weights == "gguf" else {}
+    if precision.quantized:
+        record["embedding"] = projections.embedding_form
+        log(f"  embedding: {projections.embedding_form}")
     for form, count in sorted(Counter(projections.forms.values()).items()):
         log(f"  {count} x {form}")
     engine = None

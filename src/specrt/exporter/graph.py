@@ -236,8 +236,7 @@ def write_graph(tensors: Tensors, out_dir: Path, capacity: int, projections=None
         rotaries = {key: _rotary(b, config, capacity, key, hd) for key in dict.fromkeys(keys)}
         attention = _Attention(scatter_at, total, grouped_scores, flat_scores, eps, rep)
 
-        embed = b.weight_bands("embed_tokens.weight", "model.embed_tokens.weight")
-        x = b.op("Gather", embed, "input_ids")
+        x, embed = projections.embedding(b, "model.embed_tokens.weight")
         if family.embed_scale() is not None:
             x = b.op("Mul", x, b.const(family.embed_scale(), np.float32))
         for i in range(shape.num_layers):

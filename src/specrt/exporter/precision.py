@@ -10,8 +10,10 @@ along the input dimension). Two tensors get a deliberate choice:
 - the LM head of a tied model shares the embedding matrix; it is the largest single weight
   (136 M of the 0.5B draft's parameters), read in full every step, so it gets its own
   quantized copy;
-- the embedding stays float32: a Gather reads one row per token, so its size costs disk and
-  page cache, not time, and quantizing it would only add error.
+- the embedding is not re-quantized: a Gather reads one row per token, so its size costs disk
+  and page cache, not time, and re-quantizing it would only add error. It stays float32, or,
+  from a GGUF, the file's own blocks where its type has an exact form (the same values in a
+  sixth to a third of the bytes; see projections).
 
 gguf (a GGUF source only) keeps the file's own quantized blocks: each projection runs the blocks
 it was dequantized from, so the target is exactly the model llama.cpp runs (see gguf_blocks).
@@ -67,7 +69,6 @@ class Precision:
         if self.weights == "gguf":
             record.update(
                 accuracy_level=self.accuracy_level,
-                embedding="fp32",
                 method="the GGUF file's own blocks as MatMulNBits (exact); int4 with block_size "
                 "where a type has no exact form",
                 block_size=self.block_size,
@@ -76,7 +77,6 @@ class Precision:
             record.update(
                 asdict(self),
                 lm_head=self.weights,
-                embedding="fp32",
                 method="MatMulNBits, symmetric, weight-only",
             )
         elif self.weights == "fp16":

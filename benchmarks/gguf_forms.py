@@ -11,8 +11,9 @@ chose against: the int4 target's symmetric 4-bit blocks of 128; Q4_K's exact for
 32 values, its minimums through a float32 table over 32-input sums) and the block-32 scale alone;
 a tried alternative with the minimums as 8-bit codes over 16-input sums (q uncentred, explicit
 zero point 0: 5.75 bits, but no faster, and 2.6x the output error once the VNNI kernel quantizes
-the activations and sums to int8); Q6_K's 8-bit blocks of 16; and for comparison 8-bit blocks of
-128 and a float zero point. The weights' values are random: speed does not depend on them.
+the activations and sums to int8); Q3_K's 4-bit and Q6_K's 8-bit blocks of 16; and for
+comparison 8-bit blocks of 128 and a float zero point. The weights' values are random: speed
+does not depend on them.
 
     python benchmarks/gguf_forms.py [--rounds 3] [--out benchmarks/results/cpu-gguf-forms]
 """
@@ -37,8 +38,9 @@ FORMS = {
     "int4, block 32": (4, 32, "default", None),
     "Q4_K exact (as written): + float32 minimums table": (4, 32, "default", "table"),
     "Q4_K exact, tried: + 8-bit minimums over 16-sums": (4, 32, "zero", "sums16"),
+    "Q3_K exact: int4, block 16": (4, 16, "default", None),
     "Q6_K exact: int8, block 16": (8, 16, "default", None),
-    "Q8_0 / Q5_0 exact: int8, block 32": (8, 32, "default", None),
+    "Q8_0 / Q5_0 / IQ4_NL / IQ4_XS exact: int8, block 32": (8, 32, "default", None),
     "int8, block 128 (not exact for Q6_K)": (8, 128, "default", None),
     "int4, block 32, float zero point": (4, 32, "float", None),
 }

@@ -142,6 +142,22 @@ def test_float_activations_give_the_float32_graph(gguf_files, tmp_path, arch):
     assert check["top1_agreement_vs_float32"] == 1.0
 
 
+def test_the_low_bit_types_are_exact_in_a_whole_model(tmp_path):
+    """Q3_K and the IQ4 codes (what Q3_K_M and IQ4_XS files hold) in a model: with float32
+    activations its logits are the float32 graph's, and the manifest names their forms."""
+    types = {"attn_q": "Q3_K", "ffn_gate": "IQ4_XS", "ffn_up": "IQ4_NL", "token_embd": "IQ4_XS"}
+    path = write_tiny_gguf(tmp_path / "low.gguf", seed=3, types=types)
+    out = _build(path, tmp_path / "b", Precision("gguf", accuracy_level=1), draft=False)
+    role = Bundle.load(out).role("target")
+    check, precision = role.info["export_check"], role.info["precision"]
+    assert check["max_abs_logit_diff_vs_float32"] < 1e-4
+    forms = precision["tensors"]
+    assert forms["layers.0.self_attn.q_proj.weight_t"] == "Q3_K as 4 bits, block 16"
+    assert forms["layers.1.mlp.gate_proj.weight_t"] == "IQ4_XS as 8 bits, block 32"
+    assert forms["layers.1.mlp.up_proj.weight_t"] == "IQ4_NL as 8 bits, block 32"
+    assert precision["embedding"] == "IQ4_XS as 8 bits, block 32, gathered"
+
+
 def test_manifest_and_graph_record_each_weights_form(gguf_bundles):
     role = Bundle.load(gguf_bundles["qwen2"]).role("target")
     precision = role.info["precision"]

@@ -107,6 +107,9 @@ SCALE_AT = {
     "Q5_K": ([0, 2], 63 * 31),
     "Q6_K": ([208], 128 * 32),
     "Q2_K": ([80, 82], 15 * 3),
+    "Q3_K": ([108], 32 * 4),
+    "IQ4_NL": ([0], 127),
+    "IQ4_XS": ([0], 32 * 127),
 }
 BLOCK_BYTES = {**TYPE_SIZES, **K_TYPE_SIZES, "Q2_K": 84}
 STD = 0.02  # the initializer range of these families

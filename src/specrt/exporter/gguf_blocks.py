@@ -8,14 +8,16 @@ dequantized float32 weights up to float rounding of the scales:
 
     w[n, k] = scales[n, k // block] * (values[n, k] - 2^(bits-1)) - offsets[k // 32, n]
 
-- Q4_0, Q8_0, Q5_0, Q4_1, Q5_1 and Q6_K fit with a shifted value (Q6_K as 8 bits in blocks of 16,
-  its sub-block); the type-1 and K-quant minimums need `offsets`.
+- Q4_0, Q8_0, Q5_0, Q4_1, Q5_1, Q3_K and Q6_K fit with a shifted value (Q3_K as 4 bits and Q6_K
+  as 8 bits in blocks of 16, their sub-blocks); the type-1 and K-quant minimums need `offsets`.
+- IQ4_NL and IQ4_XS map each 4-bit code through a fixed table of 16 levels, so they take 8 bits
+  (the level) in blocks of 32 with the block's scale.
 - Q4_K and Q5_K (`w = d*sc*q - dmin*m` per 32 values) keep d*sc as the scale and q centred on the
   default zero point; what the centring and the minimum leave is one float per 32 inputs and
   output, applied as a small MatMul of the input's sums over each 32 values (`offsets`).
 
 The default zero point matters: an explicit zero-point tensor takes a slower kernel, and a float
-one is over 100x slower on CPU. Other types (Q2_K, Q3_K, the IQ family) have no exact form here;
+one is over 100x slower on CPU. Other types (Q2_K, the IQ1-IQ3 family) have no exact form here;
 callers keep their own path for those and say so.
 """
 
@@ -93,6 +95,8 @@ def _simple(blocks: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.n
     w = d*q (+ m). Type-0 q comes already minus the type's own zero point."""
     d = _f16(blocks[:, 0:2])[:, 0]
     minimum = _f16(blocks[:, 2:4])[:, 0] if kind in ("Q4_1", "Q5_1") else None
+    if kind == "IQ4_NL":
+        return IQ4_LEVELS[_nibbles(blocks[:, 2:18], 16).reshape(-1, 32)], d, None
     if kind == "Q8_0":
         return blocks[:, 2:34].view(np.int8).astype(np.int16), d, None
     if kind in ("Q4_0", "Q4_1"):
@@ -118,6 +122,32 @@ def _k_quant(blocks: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.
     return q.astype(np.int16), d * sc, dmin * mins
 
 
+def _q3_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q3_K: (q [blocks, 16, 16] in -4..3, scale d*(sc - 32) [blocks, 16]). Two low bits per
+    value in qs, a high bit in hmask that, when clear, takes 4 off; 16 6-bit scales packed as
+    4 low bits in bytes 0-7 (low nibbles first) and 2 high bits in bytes 8-11."""
+    hmask, qs, packed = blocks[:, 0:32], blocks[:, 32:96], blocks[:, 96:108]
+    low = _nibbles(packed[:, 0:8], 8).reshape(-1, 16)
+    high = (packed[:, None, 8:12] >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3
+    sc = (low | (high.reshape(-1, 16) << 4)).astype(np.float32) - 32
+    two = (qs.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3
+    top = (hmask.reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]) & 1
+    q = two.reshape(-1, 16, 16).astype(np.int16) - 4 * (
+        1 - top.reshape(-1, 16, 16).astype(np.int16)
+    )
+    return q, _f16(blocks[:, 108:110]) * sc
+
+
+def _iq4_xs(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """IQ4_XS: (level [blocks, 8, 32], scale d*(ls - 32) [blocks, 8]); each 32-value sub-block's
+    6-bit ls is 4 bits of scales_l (low nibble first) and 2 of the 16-bit scales_h."""
+    high = blocks[:, 2:4].copy().view("<u2") >> np.arange(0, 16, 2, dtype=np.uint16)
+    low = _nibbles(blocks[:, 4:8], 1).reshape(-1, 8)
+    ls = low | ((high & 3).astype(np.uint8) << 4)
+    levels = IQ4_LEVELS[_nibbles(blocks[:, 8:136], 16).reshape(-1, 8, 32)]
+    return levels, _f16(blocks[:, 0:2]) * (ls.astype(np.float32) - 32)
+
+
 def _q6_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Q6_K: (q - 32 [blocks, 16, 16], scale d*sc [blocks, 16])."""
     low = _nibbles(blocks[:, 0:128], 64).reshape(-1, 8, 32)
@@ -127,8 +157,10 @@ def _q6_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q.reshape(-1, 16, 16), _f16(blocks[:, 208:210]) * scales
 
 
-TYPE_SIZES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}
-K_TYPE_SIZES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+TYPE_SIZES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "IQ4_NL": 18}
+K_TYPE_SIZES = {"Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_XS": 136}
+# llama.cpp's 16 levels of the IQ4 codes (kvalues_iq4nl)
+IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113])
 SUPPORTED = tuple(TYPE_SIZES) + tuple(K_TYPE_SIZES)
 
 
@@ -149,6 +181,12 @@ def to_blocks(kind: str, raw: np.ndarray, k: int) -> Blocks:
     if kind == "Q6_K":
         q, scale = _q6_k(raw.reshape(-1, K_TYPE_SIZES[kind]))
         return Blocks(kind, 8, 16, _values(q, 128, n, k), scale.reshape(n, -1), None)
+    if kind == "Q3_K":
+        q, scale = _q3_k(raw.reshape(-1, K_TYPE_SIZES[kind]))
+        return Blocks(kind, 4, 16, _values(q, 8, n, k), scale.reshape(n, -1), None)
+    if kind == "IQ4_XS":
+        q, scale = _iq4_xs(raw.reshape(-1, K_TYPE_SIZES[kind]))
+        return Blocks(kind, 8, 32, _values(q, 128, n, k), scale.reshape(n, -1), None)
     if kind in K_TYPE_SIZES:
         q, scale, minimum = _k_quant(raw.reshape(-1, K_TYPE_SIZES[kind]), kind)
         bits = 4 if kind == "Q4_K" else 8

@@ -11,9 +11,9 @@ chose against: the int4 target's symmetric 4-bit blocks of 128; Q4_K's exact for
 32 values, its minimums through a float32 table over 32-input sums) and the block-32 scale alone;
 a tried alternative with the minimums as 8-bit codes over 16-input sums (q uncentred, explicit
 zero point 0: 5.75 bits, but no faster, and 2.6x the output error once the VNNI kernel quantizes
-the activations and sums to int8); Q3_K's 4-bit and Q6_K's 8-bit blocks of 16; and for
-comparison 8-bit blocks of 128 and a float zero point. The weights' values are random: speed
-does not depend on them.
+the activations and sums to int8); Q3_K's 4-bit and Q6_K's 8-bit blocks of 16, Q2_K's 4-bit
+blocks of 16 with its minimums per 16; and for comparison 8-bit blocks of 128 and a float zero
+point. The weights' values are random: speed does not depend on them.
 
     python benchmarks/gguf_forms.py [--rounds 3] [--out benchmarks/results/cpu-gguf-forms]
 """
@@ -39,6 +39,7 @@ FORMS = {
     "Q4_K exact (as written): + float32 minimums table": (4, 32, "default", "table"),
     "Q4_K exact, tried: + 8-bit minimums over 16-sums": (4, 32, "zero", "sums16"),
     "Q3_K exact: int4, block 16": (4, 16, "default", None),
+    "Q2_K exact: int4, block 16 + float32 minimums table per 16": (4, 16, "default", "table16"),
     "Q6_K exact: int8, block 16": (8, 16, "default", None),
     "Q8_0 / Q5_0 / IQ4_NL / IQ4_XS exact: int8, block 32": (8, 32, "default", None),
     "int8, block 128 (not exact for Q6_K)": (8, 128, "default", None),
@@ -48,7 +49,9 @@ FORMS = {
 
 def bits_per_weight(bits: int, block: int, zero: str, minimums: str | None) -> float:
     extra = {"default": 0.0, "zero": 4 / block, "float": 32 / block}[zero]
-    extra += {None: 0.0, "table": 32 / 32, "sums16": 8 / 16 + 32 / 256}[minimums]
+    extra += {None: 0.0, "table": 32 / 32, "table16": 32 / 16, "sums16": 8 / 16 + 32 / 256}[
+        minimums
+    ]
     return bits + 32 / block + extra
 
 
@@ -100,9 +103,10 @@ class Graph:
     def projection(self, x: str, k: int, n: int, form: tuple) -> str:
         bits, block, zero, minimums = form
         y = self.nbits(x, k, n, bits, block, zero)
-        if minimums == "table":
-            table = self.add(self.rng.random((k // 32, n), dtype=np.float32) * 1e-3)
-            return self.op("Sub", y, self.op("MatMul", self.sums(x, k, 32), table))
+        if minimums in ("table", "table16"):
+            span = 16 if minimums == "table16" else 32
+            table = self.add(self.rng.random((k // span, n), dtype=np.float32) * 1e-3)
+            return self.op("Sub", y, self.op("MatMul", self.sums(x, k, span), table))
         if minimums == "sums16":
             shift = self.nbits(self.sums(x, k, 16), k // 16, n, 8, 16, "default")
             return self.op("Sub", y, shift)

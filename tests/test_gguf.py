@@ -110,7 +110,7 @@ def gguf_files(tmp_path_factory) -> dict:
             root / "tiny-mixed.gguf",
             "qwen2",
             seed=2,
-            types={"ffn_down": "Q2_K", "attn_output": "F16"},
+            types={"ffn_down": "IQ2_XXS", "attn_output": "F16"},
         ),
     }
 
@@ -143,9 +143,15 @@ def test_float_activations_give_the_float32_graph(gguf_files, tmp_path, arch):
 
 
 def test_the_low_bit_types_are_exact_in_a_whole_model(tmp_path):
-    """Q3_K and the IQ4 codes (what Q3_K_M and IQ4_XS files hold) in a model: with float32
-    activations its logits are the float32 graph's, and the manifest names their forms."""
-    types = {"attn_q": "Q3_K", "ffn_gate": "IQ4_XS", "ffn_up": "IQ4_NL", "token_embd": "IQ4_XS"}
+    """Q2_K, Q3_K and the IQ4 codes (what Q2_K, Q3_K_M and IQ4_XS files hold) in a model: with
+    float32 activations its logits are the float32 graph's, and the manifest names their forms."""
+    types = {
+        "attn_q": "Q3_K",
+        "attn_k": "Q2_K",
+        "ffn_gate": "IQ4_XS",
+        "ffn_up": "IQ4_NL",
+        "token_embd": "IQ4_XS",
+    }
     path = write_tiny_gguf(tmp_path / "low.gguf", seed=3, types=types)
     out = _build(path, tmp_path / "b", Precision("gguf", accuracy_level=1), draft=False)
     role = Bundle.load(out).role("target")
@@ -153,6 +159,10 @@ def test_the_low_bit_types_are_exact_in_a_whole_model(tmp_path):
     assert check["max_abs_logit_diff_vs_float32"] < 1e-4
     forms = precision["tensors"]
     assert forms["layers.0.self_attn.q_proj.weight_t"] == "Q3_K as 4 bits, block 16"
+    assert (
+        forms["layers.0.self_attn.k_proj.weight_t"]
+        == "Q2_K as 4 bits, block 16 + offsets per 16 inputs"
+    )
     assert forms["layers.1.mlp.gate_proj.weight_t"] == "IQ4_XS as 8 bits, block 32"
     assert forms["layers.1.mlp.up_proj.weight_t"] == "IQ4_NL as 8 bits, block 32"
     assert precision["embedding"] == "IQ4_XS as 8 bits, block 32, gathered"
@@ -207,7 +217,9 @@ def test_types_without_an_exact_form_say_so(gguf_files, tmp_path):
         gguf_files["mixed"], tmp_path / "b", Precision("gguf"), draft=False, log=lines.append
     )
     forms = Bundle.load(out).role("target").info["precision"]["tensors"]
-    assert forms["layers.0.mlp.down_proj.weight_t"] == "Q2_K re-quantized to int4 (no exact form)"
+    assert (
+        forms["layers.0.mlp.down_proj.weight_t"] == "IQ2_XXS re-quantized to int4 (no exact form)"
+    )
     assert forms["layers.0.self_attn.o_proj.weight_t"] == "F16 kept as float32"
     assert any("no exact form" in line for line in lines)
 

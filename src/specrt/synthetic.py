@@ -110,8 +110,9 @@ SCALE_AT = {
     "Q3_K": ([108], 32 * 4),
     "IQ4_NL": ([0], 127),
     "IQ4_XS": ([0], 32 * 127),
+    "IQ2_XXS": ([0], 43 * 4),
 }
-BLOCK_BYTES = {**TYPE_SIZES, **K_TYPE_SIZES, "Q2_K": 84}
+BLOCK_BYTES = {**TYPE_SIZES, **K_TYPE_SIZES, "IQ2_XXS": 66}
 STD = 0.02  # the initializer range of these families
 BAND = 4096  # rows made at a time
 Log = Callable[[str], None]

@@ -6,7 +6,7 @@ GGUF block type is written in a form MatMulNBits runs on its fast path (integer 
 default zero point 2^(bits-1), one float scale per block), so that the graph's weights equal the
 dequantized float32 weights up to float rounding of the scales:
 
-    w[n, k] = scales[n, k // block] * (values[n, k] - 2^(bits-1)) - offsets[k // 32, n]
+    w[n, k] = scales[n, k // block] * (values[n, k] - 2^(bits-1)) - offsets[k // span, n]
 
 - Q4_0, Q8_0, Q5_0, Q4_1, Q5_1, Q3_K and Q6_K fit with a shifted value (Q3_K as 4 bits and Q6_K
   as 8 bits in blocks of 16, their sub-blocks); the type-1 and K-quant minimums need `offsets`.
@@ -14,10 +14,11 @@ dequantized float32 weights up to float rounding of the scales:
   (the level) in blocks of 32 with the block's scale.
 - Q4_K and Q5_K (`w = d*sc*q - dmin*m` per 32 values) keep d*sc as the scale and q centred on the
   default zero point; what the centring and the minimum leave is one float per 32 inputs and
-  output, applied as a small MatMul of the input's sums over each 32 values (`offsets`).
+  output, applied as a small MatMul of the input's sums over each 32 values (`offsets`). Q2_K
+  does the same per 16 values, its sub-block (`span` 16).
 
 The default zero point matters: an explicit zero-point tensor takes a slower kernel, and a float
-one is over 100x slower on CPU. Other types (Q2_K, the IQ1-IQ3 family) have no exact form here;
+one is over 100x slower on CPU. Other types (the IQ1-IQ3 family) have no exact form here;
 callers keep their own path for those and say so.
 """
 
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 QK_K = 256
-SUMS_BLOCK = 32  # offsets apply per this many inputs
+SUMS_BLOCK = 32  # offsets apply per this many inputs (the span), unless a type says otherwise
 
 
 @dataclass(frozen=True)
@@ -40,11 +41,12 @@ class Blocks:
     block_size: int
     values: np.ndarray  # uint8 [N, K], centred on 2^(bits-1)
     scales: np.ndarray  # float32 [N, K // block_size]
-    offsets: np.ndarray | None  # float32 [K // 32, N], subtracted per 32 inputs; None when zero
+    offsets: np.ndarray | None  # float32 [K // span, N], subtracted per span inputs; None: zero
+    span: int = SUMS_BLOCK
 
     @property
     def form(self) -> str:
-        extra = " + offsets per 32 inputs" if self.offsets is not None else ""
+        extra = f" + offsets per {self.span} inputs" if self.offsets is not None else ""
         return f"{self.kind} as {self.bits} bits, block {self.block_size}{extra}"
 
     def dequantize(self) -> np.ndarray:
@@ -53,7 +55,7 @@ class Blocks:
         centred = self.values.astype(np.float32) - 2 ** (self.bits - 1)
         w = (centred.reshape(n, -1, self.block_size) * self.scales[:, :, None]).reshape(n, k)
         if self.offsets is not None:
-            w -= np.repeat(self.offsets.T, SUMS_BLOCK, axis=1)
+            w -= np.repeat(self.offsets.T, self.span, axis=1)
         return w
 
     def packed(self) -> np.ndarray:
@@ -122,6 +124,16 @@ def _k_quant(blocks: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.
     return q.astype(np.int16), d * sc, dmin * mins
 
 
+def _q2_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q2_K: (q [blocks, 16, 16] in 0..3, scale d*sc [blocks, 16], minimum dmin*m [blocks, 16]);
+    each 16-value sub-block's byte holds sc in its low nibble and m in its high one."""
+    packed, qs = blocks[:, 0:16], blocks[:, 16:80]
+    d, dmin = _f16(blocks[:, 80:82]), _f16(blocks[:, 82:84])
+    two = (qs.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3
+    scale = d * (packed & 0x0F).astype(np.float32)
+    return two.reshape(-1, 16, 16).astype(np.int16), scale, dmin * (packed >> 4).astype(np.float32)
+
+
 def _q3_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Q3_K: (q [blocks, 16, 16] in -4..3, scale d*(sc - 32) [blocks, 16]). Two low bits per
     value in qs, a high bit in hmask that, when clear, takes 4 off; 16 6-bit scales packed as
@@ -158,7 +170,7 @@ def _q6_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 TYPE_SIZES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "IQ4_NL": 18}
-K_TYPE_SIZES = {"Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_XS": 136}
+K_TYPE_SIZES = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_XS": 136}
 # llama.cpp's 16 levels of the IQ4 codes (kvalues_iq4nl)
 IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113])
 SUPPORTED = tuple(TYPE_SIZES) + tuple(K_TYPE_SIZES)
@@ -181,6 +193,10 @@ def to_blocks(kind: str, raw: np.ndarray, k: int) -> Blocks:
     if kind == "Q6_K":
         q, scale = _q6_k(raw.reshape(-1, K_TYPE_SIZES[kind]))
         return Blocks(kind, 8, 16, _values(q, 128, n, k), scale.reshape(n, -1), None)
+    if kind == "Q2_K":  # w = s*q - m = s*((q + 8) - 8) - m, per 16 values
+        q, scale, minimum = _q2_k(raw.reshape(-1, K_TYPE_SIZES[kind]))
+        values, offsets = _values(q, 8, n, k), _by_input(minimum.reshape(-1), n)
+        return Blocks(kind, 4, 16, values, scale.reshape(n, -1), offsets, span=16)
     if kind == "Q3_K":
         q, scale = _q3_k(raw.reshape(-1, K_TYPE_SIZES[kind]))
         return Blocks(kind, 4, 16, _values(q, 8, n, k), scale.reshape(n, -1), None)
@@ -209,7 +225,7 @@ def _values(q: np.ndarray, centre: int, n: int, k: int) -> np.ndarray:
 
 
 def _by_input(offsets: np.ndarray | None, n: int) -> np.ndarray | None:
-    """Per-(output, 32 inputs) offsets [N * K/32] -> [K/32, N] for the sums' MatMul."""
+    """Per-(output, span inputs) offsets [N * K/span] -> [K/span, N] for the sums' MatMul."""
     if offsets is None:
         return None
     return np.ascontiguousarray(offsets.astype(np.float32).reshape(n, -1).T)

@@ -15,7 +15,7 @@ model, only one band of one matrix beside its converted form:
 
 `embedding(b, source)` writes the token lookup: a Gather over the float32 table, except where a
 quantized role reads a GGUF whose embedding type has an exact form. There the table stays in
-the file's blocks (values, a scale per block, offsets per 32) and only the gathered rows are
+the file's blocks (values, a scale per block, offsets per 16 or 32) and only the gathered rows are
 dequantized, by the same float32 operations as `Blocks.dequantize`: the same numbers as the
 float32 table, in a sixth to a third of its bytes (the default target's 933 MB table: 175 MB).
 """
@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from specrt.errors import SpecrtError
-from specrt.exporter.gguf_blocks import SUMS_BLOCK, Blocks
+from specrt.exporter.gguf_blocks import Blocks
 from specrt.exporter.precision import Precision
 
 # Float rounding of the scales (d*sc, and the offsets' c*d - m) is all that may differ.
@@ -114,7 +114,7 @@ class GgufProjections(QuantizedProjections):
 
     def __init__(self, block_size: int, accuracy_level: int) -> None:
         super().__init__(4, block_size, accuracy_level)
-        self.sums: dict[str, str] = {}  # x -> its sums over each 32 inputs (q/k/v share one)
+        self.sums: dict[tuple[str, int], str] = {}  # (x, span) -> its sums (q/k/v share them)
 
     def linear(self, b, x: str, source: str, name: str) -> str:
         kind = b.tensors.kind(source)
@@ -147,24 +147,25 @@ class GgufProjections(QuantizedProjections):
         product = _matmul_nbits(b, x, packed, scales, shape, self.accuracy_level)
         if not offsets:
             return product
-        table = b.weight(f"{base}.offsets", np.hstack(offsets))  # [K/32, N]
-        shift = b.op("MatMul", self._sums(b, x, inputs), table)
+        table = b.weight(f"{base}.offsets", np.hstack(offsets))  # [K/span, N]
+        shift = b.op("MatMul", self._sums(b, x, inputs, form.span), table)
         return b.op("Sub", product, shift)
 
-    def _sums(self, b, x: str, inputs: int) -> str:
-        """[..., K] -> sums over each 32 inputs [..., K/32], whatever the rank; once per x."""
-        if x not in self.sums:
+    def _sums(self, b, x: str, inputs: int, span: int) -> str:
+        """[..., K] -> sums over each `span` inputs [..., K/span], whatever the rank; once per
+        x and span."""
+        if (x, span) not in self.sums:
             lead = b.op("Shape", x, end=-1)
-            shape = b.op("Concat", lead, b.const([inputs // SUMS_BLOCK, SUMS_BLOCK]), axis=0)
+            shape = b.op("Concat", lead, b.const([inputs // span, span]), axis=0)
             grouped = b.op("Reshape", x, shape)
-            self.sums[x] = b.op("ReduceSum", grouped, b.const([-1]), keepdims=0)
-        return self.sums[x]
+            self.sums[x, span] = b.op("ReduceSum", grouped, b.const([-1]), keepdims=0)
+        return self.sums[x, span]
 
 
 def _gathered_blocks(b, source: str, form: Blocks) -> str:
     """Embedding rows for `input_ids` from a table kept in the GGUF's blocks: the values
     (4-bit pairs packed low first, as MatMulNBits takes them), a scale per block and the
-    offsets per 32 inputs are gathered per token, then dequantized as Blocks.dequantize does:
+    offsets per span of inputs are gathered per token, then dequantized as Blocks.dequantize does:
     (value - centre) * scale - offset, in float32, so the rows equal the float32 table's."""
     inputs = b.tensors.shape(source)[1]
     scales: list[np.ndarray] = []
@@ -198,7 +199,7 @@ def _gathered_blocks(b, source: str, form: Blocks) -> str:
 
     rows = b.op("Mul", per(form.block_size, centred), gathered("scales", scales))
     if offsets:
-        rows = b.op("Sub", per(SUMS_BLOCK, rows), gathered("offsets", offsets))
+        rows = b.op("Sub", per(form.span, rows), gathered("offsets", offsets))
     return b.op("Reshape", rows, b.op("Concat", lead, b.const([inputs]), axis=0), out=EMBEDDED)
 
 

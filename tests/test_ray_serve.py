@@ -175,6 +175,10 @@ def test_completions_and_chat_equal_specrt_generate(cluster, reference, bundle):
     chunks = list(chunks)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
     assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+    several = api.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=20, n=2, **GREEDY
+    )  # a generation each, wherever the router sends them
+    assert [choice.message.content for choice in several.choices] == [want, want]
 
     generated = CliRunner().invoke(
         cli, ["generate", str(bundle), PROMPTS[1], "--max-new-tokens", "24", "--json"]
@@ -190,7 +194,7 @@ def test_completions_and_chat_equal_specrt_generate(cluster, reference, bundle):
 BAD = [
     ("/v1/completions", b'{"model": "tiny", "prompt": "x", "top_p": 3}'),
     ("/v1/completions", b'{"model": "nope", "prompt": "x"}'),
-    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "n": 2}'),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "n": 0}'),
     ("/v1/completions", b'{"model": "tiny", "prompt": "x", "max_tokens": 100000}'),
     ("/v1/chat/completions", b'{"model": "tiny", "messages": []}'),
     ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user"'),

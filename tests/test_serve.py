@@ -175,6 +175,51 @@ def test_seeds_reproduce_sampled_output(server, speculation):
     assert sample(7) != sample(8)
 
 
+def test_n_choices_are_generations_of_their_own(server, reference):
+    """n choices in one request: greedy, each is the request's output alone; sampled with a
+    seed, choice i is the request with seed + i (the target alone, whose numbers no batch
+    changes); the usage counts the prompt once; streamed, each chunk names its choice and each
+    choice's chunks give its text."""
+    api = client(server[0])
+    want = reference.generate(PROMPTS[0], max_new_tokens=20)
+    greedy = api.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=20, n=3, **GREEDY)
+    assert [choice.index for choice in greedy.choices] == [0, 1, 2]
+    assert [choice.text for choice in greedy.choices] == [want.text] * 3
+    assert greedy.usage.prompt_tokens == want.stats.prompt_tokens
+    assert greedy.usage.completion_tokens == 3 * len(want.token_ids)
+
+    sampled = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Name a colour."}],
+        "max_tokens": 16,
+        "temperature": 1.0,
+        "seed": 5,
+        "extra_body": {"speculation": "off", "ignore_eos": True},
+    }
+    alone = [
+        api.chat.completions.create(**{**sampled, "seed": 5 + i}).choices[0].message.content
+        for i in range(2)
+    ]
+    assert alone[0] != alone[1]
+    both = api.chat.completions.create(n=2, **sampled)
+    assert [choice.message.content for choice in both.choices] == alone
+    assert both.usage.completion_tokens == 2 * 16
+    assert [stats["controller"] for stats in both.model_extra["speculation"]] == ["off"] * 2
+
+    options = {"include_usage": True}
+    chunks = list(api.chat.completions.create(n=2, stream=True, stream_options=options, **sampled))
+    texts, finished = ["", ""], []
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finished.append(choice.index)
+    assert texts == alone
+    assert sorted(finished) == [0, 1]
+    assert len({chunk.id for chunk in chunks}) == 1
+    assert chunks[-1].usage.completion_tokens == 2 * 16
+
+
 TOO_LONG = "word " * 2 * CONTEXT
 BAD_REQUESTS = [  # (endpoint, body, param, code or None, words of the message)
     ("completions", {"max_tokens": 4}, "prompt", None, "Field required"),
@@ -184,7 +229,9 @@ BAD_REQUESTS = [  # (endpoint, body, param, code or None, words of the message)
     ("completions", {"prompt": "x", "top_p": 0}, "top_p", None, "(0, 1]"),
     ("completions", {"prompt": "x", "top_p": 1.5}, "top_p", None, "(0, 1]"),
     ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens", None, "greater than 0"),
-    ("completions", {"prompt": "x", "n": 2}, "n", None, "n must be 1"),
+    ("completions", {"prompt": "x", "n": 0}, "n", None, "n must be 1 to 16"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 17}, "n", None,
+     "n must be 1 to 16"),
     ("completions", {"prompt": TOO_LONG}, "prompt", "context_length_exceeded", "max context"),
     ("completions", {"prompt": "x y", "max_tokens": CONTEXT}, "max_tokens",
      "context_length_exceeded", "context is 1024"),

@@ -140,7 +140,7 @@ class Generation:
         drafter = request.drafter
         self.stats = Stats(
             prompt_tokens=len(request.prompt),
-            controller=type(request.policy).__name__,
+            controller=type(request.policy).__name__ if drafter else "off",
             drafter=drafter.name if drafter else "none",
         )
         self._start = time.perf_counter()

@@ -46,25 +46,40 @@ class Server:
                 param="model",
                 code="model_not_found",
             )
-        stream = await self.service.open(body)
-        watcher = asyncio.create_task(self._watch_disconnect(request, stream))
+        streams = await self._open(body.choices())
+        watcher = asyncio.create_task(self._watch_disconnect(request, streams))
         streaming = False
         try:
-            first = await stream.next()
+            firsts = [await stream.next() for stream in streams]
             chat = isinstance(body, ChatRequest)
-            reply = Reply(chat, self.settings.served_model, tools=body.parses_tool_calls)
-            if body.stream and not isinstance(first, Failed):
+            replies = Reply.replies(
+                chat, self.settings.served_model, body.parses_tool_calls, len(streams)
+            )
+            headers = streams[0].headers
+            if body.stream and not any(isinstance(first, Failed) for first in firsts):
                 streaming = True  # the stream owns the watcher from here
-                events = self._stream(stream, first, reply, body.include_usage, watcher)
-                return StreamingResponse(
-                    events, media_type="text/event-stream", headers=stream.headers
-                )
-            result = await self._result(stream, first)
-            return JSONResponse(reply.response(result), headers=stream.headers)
+                events = self._stream(streams, firsts, replies, body.include_usage, watcher)
+                return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+            pairs = zip(streams, firsts, strict=True)
+            results = [await self._result(stream, first) for stream, first in pairs]
+            return JSONResponse(Reply.response(replies, results), headers=headers)
         finally:
             if not streaming:
                 watcher.cancel()
-                stream.cancel()  # a no-op once done; otherwise this handler was cancelled
+                for stream in streams:
+                    stream.cancel()  # a no-op once done; otherwise this handler was cancelled
+
+    async def _open(self, bodies: list) -> list[Stream]:
+        """A stream per choice; if one cannot be queued (full, bad values), none stays."""
+        streams: list[Stream] = []
+        try:
+            for one in bodies:
+                streams.append(await self.service.open(one))
+        except BaseException:
+            for stream in streams:
+                stream.cancel()
+            raise
+        return streams
 
     async def _result(self, stream: Stream, event: Event) -> Result:
         while isinstance(event, Delta):
@@ -73,32 +88,50 @@ class Server:
             raise event.error
         return event.result
 
-    async def _stream(self, stream: Stream, event: Event, reply: Reply, include_usage, watcher):
-        """Server-sent events as OpenAI sends them, ending with `data: [DONE]`."""
-        try:
+    async def _stream(self, streams, firsts, replies: list[Reply], include_usage, watcher):
+        """Server-sent events as OpenAI sends them, each choice's chunks as they come, ending
+        with `data: [DONE]`."""
+        events: asyncio.Queue = asyncio.Queue()
+
+        async def forward(index: int, event: Event) -> None:
             while True:
+                await events.put((index, event))
+                if not isinstance(event, Delta):
+                    return
+                event = await streams[index].next()
+
+        tasks = [asyncio.create_task(forward(i, first)) for i, first in enumerate(firsts)]
+        results: dict[int, Result] = {}
+        try:
+            while len(results) < len(streams):
+                index, event = await events.get()
+                reply = replies[index]
                 if isinstance(event, Delta):
                     yield sse(reply.chunk(event.text, event.logprobs))
                 elif isinstance(event, Done):
+                    results[index] = event.result
                     yield sse(reply.last_chunk(event.result))
-                    if include_usage:
-                        yield sse(reply.usage_chunk(event.result))
-                    break
                 else:
                     self.service.metrics.outcome(errors.outcome(event.error.status))
                     yield sse(event.error.body())
                     break
-                event = await stream.next()
+            else:
+                if include_usage:
+                    yield sse(replies[0].usage_chunk([results[i] for i in sorted(results)]))
             yield "data: [DONE]\n\n"
         finally:
             watcher.cancel()
-            stream.cancel()  # a no-op once done; otherwise the client left mid-stream
+            for task in tasks:
+                task.cancel()
+            for stream in streams:
+                stream.cancel()  # a no-op once done; otherwise the client left mid-stream
 
-    async def _watch_disconnect(self, request: Request, stream: Stream) -> None:
-        """Cancel the request when the client goes away."""
+    async def _watch_disconnect(self, request: Request, streams: list[Stream]) -> None:
+        """Cancel the request's generations when the client goes away."""
         while (await request.receive())["type"] != "http.disconnect":
             pass
-        stream.cancel()
+        for stream in streams:
+            stream.cancel()
 
 
 def sse(data: dict) -> str:

@@ -4,8 +4,10 @@ The models check types and shapes only (strictly: "0.5" is not a number); what t
 be (temperature >= 0, top_p in (0, 1], K within the bundle's K_max, the prompt within the
 context, a schema the grammar engine compiles) is checked once, by the runtime, whose errors
 name the field at fault. Fields that would change the output in ways specrt does not implement
-(several choices, echo, suffix) are refused rather than ignored; unknown fields are ignored, as
-OpenAI-compatible servers do, so clients that send extras still work.
+(echo, suffix, best_of) are refused rather than ignored; unknown fields are ignored, as
+OpenAI-compatible servers do, so clients that send extras still work. `n` choices are n
+generations of the same request (`choices`), run side by side in the batch; with a seed, choice
+i samples with seed + i, so the set is reproducible and its members differ.
 
 Structured output comes as OpenAI's `response_format` (json_object, json_schema) or as vLLM's
 `structured_outputs` (json, regex, grammar: Lark or GBNF, choice, json_object), on both
@@ -28,6 +30,7 @@ from specrt.serve.tools import CallStream, ToolCall, Tools, parse_calls
 
 # OpenAI's finish reasons; "timeout" is specrt's own (the request hit the server's --timeout).
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
+MAX_CHOICES = 16  # n per request: each choice is a generation of its own in the queue
 
 
 class StreamOptions(BaseModel):
@@ -144,12 +147,18 @@ class _Request(BaseModel):
 
     def refuse_unsupported(self) -> None:
         """Options that would change the output and that specrt does not implement."""
-        if self.n != 1:
+        if not 1 <= self.n <= MAX_CHOICES:
             raise APIError(
-                400,
-                f"n must be 1: this server returns one choice per request, got {self.n}",
-                param="n",
+                400, f"n must be 1 to {MAX_CHOICES} (choices a request), got {self.n}", param="n"
             )
+
+    def choices(self) -> list:
+        """One request per choice: this one for n = 1; else n copies with n = 1, choice i with
+        seed + i where a seed was given (else each samples on its own)."""
+        if self.n == 1:
+            return [self]
+        seeds = [None if self.seed is None else self.seed + i for i in range(self.n)]
+        return [self.model_copy(update={"n": 1, "seed": seed}) for seed in seeds]
 
     def structure(self) -> tuple[Structure | None, str]:
         """What the output must match, and the field that asked (it names errors)."""
@@ -336,13 +345,14 @@ class ChatRequest(_Request):
         return self.max_completion_tokens or self.max_tokens
 
 
-def usage(result: Result) -> dict:
-    """OpenAI's usage: prediction tokens the output kept, and those verified and dropped."""
-    s = result.stats
-    prompt, completion = s.prompt_tokens, len(result.token_ids)
+def usage(results: list[Result]) -> dict:
+    """OpenAI's usage over a request's choices (its prompt counted once): prediction tokens the
+    outputs kept, and those verified and dropped."""
+    prompt = results[0].stats.prompt_tokens
+    completion = sum(len(result.token_ids) for result in results)
     details = {
-        "accepted_prediction_tokens": s.accepted_prediction_tokens,
-        "rejected_prediction_tokens": s.rejected_prediction_tokens,
+        kind: sum(getattr(result.stats, kind) for result in results)
+        for kind in ("accepted_prediction_tokens", "rejected_prediction_tokens")
     }
     return {
         "prompt_tokens": prompt,
@@ -373,12 +383,13 @@ def finish_reason(result: Result) -> str:
 
 
 class Reply:
-    """The chunks and the whole response of one request, in the shape its endpoint uses: text,
-    log-probabilities where asked, and tool calls parsed from the text where tools were given
-    (streamed as one delta per whole call)."""
+    """The chunks and the whole response of one choice of a request, in the shape its endpoint
+    uses: text, log-probabilities where asked, and tool calls parsed from the text where tools
+    were given (streamed as one delta per whole call). `replies` makes a request's n, which
+    share its id; `response` and `usage_chunk` put their results together."""
 
-    def __init__(self, chat: bool, model: str, tools: bool = False):
-        self.chat, self.model = chat, model
+    def __init__(self, chat: bool, model: str, tools: bool = False, index: int = 0):
+        self.chat, self.model, self.index = chat, model, index
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.sent_role = False
@@ -402,7 +413,7 @@ class Reply:
         if self.calls is not None:
             text, calls = self.calls.feed(text, final=finish is not None)
         if not self.chat:
-            choice = {"index": 0, "text": text, "logprobs": self._logprobs(logprobs)}
+            choice = {"index": self.index, "text": text, "logprobs": self._logprobs(logprobs)}
             return self._envelope("text_completion", [{**choice, "finish_reason": finish}])
         delta: dict = {} if finish and not text else {"content": text}
         if calls:
@@ -411,7 +422,7 @@ class Reply:
         if not self.sent_role:
             delta = {"role": "assistant", **delta}
             self.sent_role = True
-        choice = {"index": 0, "delta": delta, "logprobs": self._logprobs(logprobs)}
+        choice = {"index": self.index, "delta": delta, "logprobs": self._logprobs(logprobs)}
         return self._envelope("chat.completion.chunk", [{**choice, "finish_reason": finish}])
 
     def last_chunk(self, result: Result) -> dict:
@@ -420,11 +431,32 @@ class Reply:
             chunk["choices"][0]["finish_reason"] = "tool_calls"
         return {**chunk, "speculation": speculation(result)}
 
-    def usage_chunk(self, result: Result) -> dict:
+    def usage_chunk(self, results: list[Result]) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return {**self._envelope(obj, []), "usage": usage(result)}
+        return {**self._envelope(obj, []), "usage": usage(results)}
 
-    def response(self, result: Result) -> dict:
+    @staticmethod
+    def replies(chat: bool, model: str, tools: bool, n: int) -> list[Reply]:
+        first = Reply(chat, model, tools)
+        rest = [Reply(chat, model, tools, index) for index in range(1, n)]
+        for reply in rest:
+            reply.id, reply.created = first.id, first.created
+        return [first, *rest]
+
+    @staticmethod
+    def response(replies: list[Reply], results: list[Result]) -> dict:
+        """The whole response: a choice per result, the usage of all (the prompt once), and
+        the speculation extension (a list, one per choice, where n > 1)."""
+        choices = [reply.choice(result) for reply, result in zip(replies, results, strict=True)]
+        obj = "chat.completion" if replies[0].chat else "text_completion"
+        stats = [speculation(result) for result in results]
+        return {
+            **replies[0]._envelope(obj, choices),
+            "usage": usage(results),
+            "speculation": stats[0] if len(stats) == 1 else stats,
+        }
+
+    def choice(self, result: Result) -> dict:
         finish = finish_reason(result)
         logprobs = self._logprobs(result.logprobs)
         if self.chat:
@@ -435,12 +467,10 @@ class Reply:
                     message = {"role": "assistant", "content": content or None}
                     message["tool_calls"] = [call.as_dict() for call in calls]
                     finish = "tool_calls" if result.finish_reason in ("eos", "stop") else finish
-            choice = {"index": 0, "message": message, "logprobs": logprobs}
-            body = self._envelope("chat.completion", [{**choice, "finish_reason": finish}])
+            choice = {"index": self.index, "message": message, "logprobs": logprobs}
         else:
-            choice = {"index": 0, "text": result.text, "logprobs": logprobs}
-            body = self._envelope("text_completion", [{**choice, "finish_reason": finish}])
-        return {**body, "usage": usage(result), "speculation": speculation(result)}
+            choice = {"index": self.index, "text": result.text, "logprobs": logprobs}
+        return {**choice, "finish_reason": finish}
 
     def _logprobs(self, entries: list[TokenLogprob] | None) -> dict | None:
         """OpenAI's logprobs object: chat's `content` list, or completions' parallel lists."""

@@ -108,7 +108,7 @@ def markdown(result: dict) -> str:
 @click.option("--build-log", "logs", multiple=True, type=click.Path(exists=True, path_type=Path))
 @click.option("--out", type=click.Path(path_type=Path), help="Write OUT.json and OUT.md.")
 def main(bundle, gguf, binary, alphas, max_new_tokens, logs, out) -> None:
-    rt = SpeculativeRuntime.load(bundle)
+    rt = SpeculativeRuntime.load(bundle, prompt_cache=False)
     if rt.draft is None:
         raise click.UsageError(f"{bundle} has no draft model: nothing to project speculation by")
     alone = target_alone(rt, max_new_tokens)

@@ -39,6 +39,7 @@ def free_port() -> int:
 def start_server(bundle: Path, port: int, *options: str) -> subprocess.Popen:
     """`specrt serve BUNDLE --port PORT [options]` as its own process, once it is healthy."""
     command = [sys.executable, "-m", "specrt.cli", "serve", str(bundle), "--port", str(port)]
+    command.append("--no-prompt-cache")  # as the API beside it: every prompt computed whole
     process = subprocess.Popen(
         [*command, *options], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
@@ -133,7 +134,7 @@ def main() -> None:
     try:
         api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", timeout=600)
         model = api.models.list().data[0].id
-        rt = SpeculativeRuntime.load(args.bundle)
+        rt = SpeculativeRuntime.load(args.bundle, prompt_cache=False)
         rows = []
         for controller in args.controllers.split(","):
             through_api(rt, prompts[0], 8, controller)  # warm-ups

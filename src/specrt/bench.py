@@ -401,7 +401,9 @@ def run_bench(
         configs = [(n, o) for n, o in every if wanted(n)]
         if not configs:
             continue
-        rt = SpeculativeRuntime.load(bundle.path, threads=threads, calibrate=False)
+        rt = SpeculativeRuntime.load(
+            bundle.path, threads=threads, calibrate=False, prompt_cache=False
+        )
         costs[label] = cost_report(rt)
         padding[label] = row_padding(rt)
         for name, options in configs:

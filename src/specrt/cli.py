@@ -380,7 +380,7 @@ def replay_command(bundle: Path, prompt_files, max_new_tokens: int, clients: str
 
     levels = [int(n) for n in clients.split(",")]
     _log(f"loading {bundle} with {max(levels)} slots (and calibrating its cost curves)")
-    rt = SpeculativeRuntime.load(bundle, slots=max(levels))
+    rt = SpeculativeRuntime.load(bundle, slots=max(levels), prompt_cache=False)
     if traces is not None and traces.exists():
         recorded = replay.load(traces)
     else:
@@ -554,6 +554,13 @@ def bench(
 )
 @click.option("--backend", default="onnxruntime", show_default=True, type=click.Choice(BACKENDS))
 @click.option("--threads", type=int, default=None, help="Intra-op threads (default: all cores).")
+@click.option(
+    "--prompt-cache/--no-prompt-cache",
+    default=True,
+    show_default=True,
+    help="Start a prompt from what a slot already holds of it (exact; off: every prompt "
+    "computed whole, as when measuring prefill).",
+)
 @click.option("--log-level", default="info", show_default=True)
 @click.option("--ray", "on_ray", is_flag=True, help="Serve on Ray Serve (the ray extra).")
 @click.option("--replicas", type=int, default=1, show_default=True, help="--ray: engine replicas.")
@@ -573,6 +580,7 @@ def serve(
     model_name,
     backend,
     threads,
+    prompt_cache,
     log_level,
     on_ray,
     replicas,
@@ -602,6 +610,7 @@ def serve(
         model_name=model_name,
         backend=backend,
         threads=threads,
+        prompt_cache=prompt_cache,
     )
     ray = RayOptions(replicas=replicas, min_replicas=min_replicas, max_replicas=max_replicas)
     if not on_ray and (ray != RayOptions() or ray_address):

@@ -221,7 +221,7 @@ def run_concurrency(
     entries, costs, padding, first = [], {}, {}, None
     for path in bundle_paths:
         log(f"loading {path} with {max(levels)} slots (and calibrating the batch cost curves)")
-        rt = SpeculativeRuntime.load(path, slots=max(levels), threads=threads)
+        rt = SpeculativeRuntime.load(path, slots=max(levels), threads=threads, prompt_cache=False)
         label = rt.bundle.precision_label
         costs[label] = {str(n): round(1000 * s, 1) for n, s in rt.costs.curve().items()}
         padding[label] = row_padding(rt)

@@ -96,7 +96,7 @@ def run_comparison(
 ) -> None:
     from specrt.runtime import SpeculativeRuntime
 
-    runtime = SpeculativeRuntime.load(bundle)
+    runtime = SpeculativeRuntime.load(bundle, prompt_cache=False)  # each run pays its prefill
     request = [{"role": "user", "content": prompt}] if chat else prompt
     log(f"prompt: {prompt!r}")
     runtime.generate(request, max_new_tokens=4)  # warm-up: first runs allocate

@@ -25,9 +25,15 @@ def format_stats(s, finish_reason: str) -> str:
         f"rounds {s.rounds}, drafted {s.drafted}, accepted {s.accepted} "
         f"({s.acceptance_rate:.0%}), {s.tokens_per_target_call:.2f} tokens per target call\n"
         f"draft {s.draft_seconds:.2f}s, verify {s.verify_seconds:.2f}s, "
-        f"prefill {s.prefill_seconds:.2f}s, controller {s.controller}, drafter {s.drafter}"
-        + _prediction_line(s)
+        f"prefill {s.prefill_seconds:.2f}s{_cached(s)}, controller {s.controller}, "
+        f"drafter {s.drafter}" + _prediction_line(s)
     )
+
+
+def _cached(s) -> str:
+    if not s.cached_tokens:
+        return ""
+    return f" ({s.cached_tokens} of {s.prompt_tokens} prompt tokens cached)"
 
 
 def _prediction_line(s) -> str:

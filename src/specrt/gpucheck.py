@@ -80,7 +80,7 @@ def check_backend(path: Path, backend: str, reference: dict, max_new_tokens: int
     if backend == "tensorrt" and "tensorrt" not in bundle.role("target").info:
         row.status, row.detail = "no engine", "built without --backend tensorrt"
         return row
-    runtime = SpeculativeRuntime.load(path, backend=backend)
+    runtime = SpeculativeRuntime.load(path, backend=backend, prompt_cache=False)
     row.max_logit_diff = _logit_diff(runtime.target, reference)
     runtime.generate(PROMPT, max_new_tokens=4)  # warm-up: first calls allocate and tune
     options = {"max_new_tokens": max_new_tokens, "ignore_eos": True}

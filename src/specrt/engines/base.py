@@ -2,7 +2,9 @@
 
 An engine owns one model and a KV cache of `slots` sequences side by side (the rows of a batched
 call). The runtime feeds each row's new tokens, reads their logits, and rolls a row's cache back
-to its emitted prefix after a rejection; it never learns which backend it drives. Engines that
+to its emitted prefix after a rejection; it never learns which backend it drives. An engine
+also knows which tokens each slot holds, so a new sequence can start from what a slot already
+computed of its prompt (runtime/prompt_cache.py). Engines that
 hold one sequence (the PyTorch reference, TensorRT today) have one slot, and a batched call of
 that one row is their plain forward.
 """
@@ -49,6 +51,13 @@ class Engine(Protocol):
     def rollback(self, length: int, slot: int = 0) -> None:
         """Keep only the first `length` positions of a slot; must cost O(1)."""
 
+    def held(self, slot: int = 0) -> Sequence[int]:
+        """The tokens whose keys and values a slot holds, in order (its first lengths[slot])."""
+
+    def copy_prefix(self, source: int, slot: int, length: int) -> bool:
+        """Make `slot` hold the first `length` positions of `source`, copied; False where the
+        backend cannot copy between slots (the caller then feeds the tokens)."""
+
 
 def check_room(engine: Engine, count: int, last: int | None, slot: int = 0) -> int:
     """Validate a forward call's sizes before any backend work; return how many logits to keep."""
@@ -83,6 +92,22 @@ class BufferCache:
 
     slots = 1
     _lengths: list[int]
+    _tokens: list[list[int]]  # per slot, what it was fed; valid up to its length
+
+    def _start_cache(self, slots: int) -> None:
+        self._lengths = [0] * slots
+        self._tokens = [[] for _ in range(slots)]
+
+    def _wrote(self, slot: int, tokens: Sequence[int]) -> None:
+        """A call appended these tokens to the slot."""
+        kept = self._tokens[slot]
+        del kept[self._lengths[slot] :]
+        kept.extend(tokens)
+        self._lengths[slot] += len(tokens)
+
+    def held(self, slot: int = 0) -> Sequence[int]:
+        check_slot(self, slot)
+        return self._tokens[slot][: self._lengths[slot]]
 
     @property
     def length(self) -> int:
@@ -106,6 +131,9 @@ class OneSlot:
     """For engines that hold one sequence: a batched call can only be that one row."""
 
     slots = 1
+
+    def copy_prefix(self, source: int, slot: int, length: int) -> bool:
+        return False  # one slot: nothing to copy from
 
     def forward_rows(self, rows: Sequence[RowCall], last: int | None = None) -> list[np.ndarray]:
         if len(rows) != 1 or rows[0][0] != 0:

@@ -20,7 +20,7 @@ import numpy as np
 import onnxruntime as ort
 
 from specrt.bundle import Bundle
-from specrt.engines.base import BufferCache, RowCall, check_room, check_slot
+from specrt.engines.base import BufferCache, RowCall, check_rollback, check_room, check_slot
 from specrt.engines.rows import RowProbe, cut_difference
 from specrt.errors import SpecrtError
 from specrt.files import specrt_home
@@ -150,7 +150,7 @@ class OrtEngine(BufferCache):
         self.pad_to_even_rows(even_rows)
         self.row_probe: RowProbe | None = None  # what `probe_rows` found, if it ran
         self._positions_held = capacity + margin
-        self._lengths = [0] * slots
+        self._start_cache(slots)
         self._binding = self.session.io_binding()
         types = {i.name: i.type for i in self.session.get_inputs()}
         types.update({o.name: o.type for o in self.session.get_outputs()})
@@ -269,13 +269,28 @@ class OrtEngine(BufferCache):
         skip = min(len(calls[slot]) - keep for slot, keep in keeps.items())
         out = self._run(ids, positions, total, width - skip, first)
         for slot, tokens in calls.items():
-            self._lengths[slot] += len(tokens)
+            self._wrote(slot, tokens)
         return [
             out[slot - first, len(tokens) - keeps[slot] - skip : len(tokens) - skip].astype(
                 np.float32
             )
             for slot, tokens in rows
         ]
+
+    def copy_prefix(self, source: int, slot: int, length: int) -> bool:
+        """Copy the rows' first positions in host memory; a device cache has no host copy
+        (the caller then feeds the tokens)."""
+        check_slot(self, source)
+        check_slot(self, slot)
+        check_rollback(self, length, source)
+        if self.device != "cpu":
+            return False
+        tokens = self.held(source)[:length]
+        for _, _, host in self._caches:
+            host[slot, :, :length] = host[source, :, :length]
+        self._lengths[slot] = 0
+        self._wrote(slot, tokens)
+        return True
 
     def _check(self, slot: int, tokens: Sequence[int], last: int | None) -> int:
         check_slot(self, slot)

@@ -169,7 +169,8 @@ class TrtEngine(OneSlot, BufferCache):
         self.profiles = profiles
         self.vocab_size, self.capacity = vocab_size, capacity
         self._dims = dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim)
-        self._lengths, self._parity = [0], 0
+        self._parity = 0
+        self._start_cache(1)
         self._contexts: dict[int, object] = {}
         self._allocations: list[int] = []
         self._stream = _cuda(self._cudart.cudaStreamCreate())
@@ -268,7 +269,7 @@ class TrtEngine(OneSlot, BufferCache):
         self._copy(out.ctypes.data, buffers.logits, out.nbytes, "cudaMemcpyDeviceToHost")
         _cuda(self._cudart.cudaStreamSynchronize(self._stream))
         self._parity = 1 - plan.read
-        self._lengths[0] += len(tokens)
+        self._wrote(0, tokens)
         return out.astype(np.float32)
 
     def close(self) -> None:

@@ -29,6 +29,7 @@ class TorchEngine(OneSlot):
         self.vocab_size = model.config.vocab_size
         self.capacity = capacity
         self.cache = DynamicCache(config=model.config)
+        self._tokens: list[int] = []  # what the cache holds
 
     @classmethod
     def from_bundle(cls, bundle: Bundle, role: str, **options) -> TorchEngine:
@@ -49,15 +50,21 @@ class TorchEngine(OneSlot):
     def lengths(self) -> list[int]:
         return [self.length]
 
+    def held(self, slot: int = 0) -> list[int]:
+        check_slot(self, slot)
+        return self._tokens[: self.length]
+
     def reset(self, slot: int = 0) -> None:
         check_slot(self, slot)
         self.cache = DynamicCache(config=self.model.config)
+        self._tokens = []
 
     def rollback(self, length: int, slot: int = 0) -> None:
         check_slot(self, slot)
         check_rollback(self, length)
         if length < self.length:  # transformers >= 5 crops by a negative count of tokens
             self.cache.crop(length - self.length)
+        del self._tokens[length:]
 
     def forward(self, tokens: Sequence[int], last: int | None = None) -> np.ndarray:
         keep = check_room(self, len(tokens), last)
@@ -66,4 +73,5 @@ class TorchEngine(OneSlot):
             out = self.model(
                 input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=keep
             )
+        self._tokens.extend(tokens)
         return out.logits[0].float().cpu().numpy()

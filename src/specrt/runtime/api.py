@@ -47,9 +47,12 @@ class SpeculativeRuntime:
         *,
         controller: str = "adaptive",
         drafter: str | None = None,
+        prompt_cache: bool = True,
     ):
         """draft is None for a bundle built without a draft model; drafter is the default
-        source of drafts (`model`, `ngram` or `hybrid`; default: model where there is one)."""
+        source of drafts (`model`, `ngram` or `hybrid`; default: model where there is one);
+        prompt_cache: a prompt starts from what a slot already holds of it (exact; see
+        prompt_cache.py), off where a benchmark measures prefill."""
         self.bundle = bundle
         self.draft, self.target = draft, target
         self.drafter: str = drafter or ("ngram" if draft is None else "model")
@@ -62,6 +65,7 @@ class SpeculativeRuntime:
         make_controller(controller, bundle.max_draft)  # refuse a bad spec now, not mid-request
         self.costs = StepCosts()  # learned by the rounds, or calibrated
         self.acceptance = PooledAcceptance()  # where a request's adaptive estimate starts
+        self.prompt_cache = prompt_cache
 
     @property
     def slots(self) -> int:
@@ -88,6 +92,7 @@ class SpeculativeRuntime:
         drafter: str | None = None,
         calibrate: bool = True,
         slots: int = 1,
+        prompt_cache: bool = True,
         **engine_options,
     ) -> SpeculativeRuntime:
         """slots: requests the engines hold side by side (a server's --max-batch)."""
@@ -98,7 +103,9 @@ class SpeculativeRuntime:
         if bundle.has_draft:
             draft = load_engine(bundle, "draft", backend, **engine_options)
         target = load_engine(bundle, "target", backend, **engine_options)
-        runtime = cls(bundle, draft, target, controller=controller, drafter=drafter)
+        runtime = cls(
+            bundle, draft, target, controller=controller, drafter=drafter, prompt_cache=prompt_cache
+        )
         if calibrate:
             runtime.calibrate()
         return runtime
@@ -207,6 +214,7 @@ class SpeculativeRuntime:
         rng = np.random.default_rng(seed)
         request = Request(self.encode(prompt), params, max_new_tokens, rng, policy, source)
         request.constraints, request.logprobs = constraints, check_top(logprobs)
+        request.reuse_prompt = self.prompt_cache
         eos = frozenset() if ignore_eos else self.eos_token_ids
         stops = StopRules(self.tokenizer, stop, eos, max_new_tokens)
         deadline = None if timeout is None else time.monotonic() + timeout

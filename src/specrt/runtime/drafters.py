@@ -24,6 +24,7 @@ import numpy as np
 from specrt.engines.base import Engine
 from specrt.errors import SpecrtError
 from specrt.runtime.constraints import Constraints
+from specrt.runtime.prompt_cache import take_slot
 from specrt.runtime.sampling import SamplingParams, probabilities, sample
 
 DRAFTERS = ("model", "ngram", "hybrid")
@@ -50,8 +51,9 @@ class Drafter(Protocol):
     name: str  # reported in the stats: model, ngram, hybrid, ...
     model: ModelDrafter | None  # the draft model behind "model" offers (None: lookups only)
 
-    def start(self, prompt: Sequence[int], slot: int) -> None:
-        """A new sequence begins with this prompt, in this slot of the engines."""
+    def start(self, prompt: Sequence[int], slot: int, reuse: bool) -> None:
+        """A new sequence begins with this prompt, in this slot of the engines (reuse: from
+        what a slot of the draft model's cache already holds of it, see prompt_cache.py)."""
 
     def offer(self, seq: Sequence[int], limit: int) -> Offer:
         """What this drafter can propose after seq, at most limit tokens."""
@@ -99,11 +101,12 @@ class ModelDrafter:
         self.ids = min(engine.vocab_size, ids or engine.vocab_size)
         self.model = self
 
-    def start(self, prompt: Sequence[int], slot: int) -> None:
-        """Only take the slot: the prompt is fed when a draft is first asked for, so a request
-        that never drafts (K = 0 in a busy batch) never pays for the draft model's prefill."""
+    def start(self, prompt: Sequence[int], slot: int, reuse: bool) -> None:
+        """Only take the slot, with what a slot already holds of the prompt: the rest is fed
+        when a draft is first asked for, so a request that never drafts (K = 0 in a busy batch)
+        never pays for the draft model's prefill."""
         self.slot = slot
-        self.engine.reset(slot)
+        take_slot(self.engine, slot, prompt, reuse)
 
     def offer(self, seq: Sequence[int], limit: int) -> Offer:
         return Offer("model", limit, len(seq) - self.engine.lengths[self.slot])
@@ -229,7 +232,7 @@ class NgramDrafter:
         self.min_n, self.max_n, self.window = min_n, max_n, window
         self._found: list[int] = []
 
-    def start(self, prompt: Sequence[int], slot: int) -> None:
+    def start(self, prompt: Sequence[int], slot: int, reuse: bool) -> None:
         self._found = []
 
     def offer(self, seq: Sequence[int], limit: int) -> Offer:
@@ -274,9 +277,9 @@ class HybridDrafter:
         self.model, self.ngram = model, ngram
         self._current: ModelDrafter | NgramDrafter = model
 
-    def start(self, prompt: Sequence[int], slot: int) -> None:
-        self.model.start(prompt, slot)
-        self.ngram.start(prompt, slot)
+    def start(self, prompt: Sequence[int], slot: int, reuse: bool) -> None:
+        self.model.start(prompt, slot, reuse)
+        self.ngram.start(prompt, slot, reuse)
 
     def offer(self, seq: Sequence[int], limit: int) -> Offer:
         offer = self.ngram.offer(seq, limit)
@@ -305,9 +308,9 @@ class ConstrainedDrafter:
         self.model = inner.model if inner is not None else None
         self._forced: list[int] = []
 
-    def start(self, prompt: Sequence[int], slot: int) -> None:
+    def start(self, prompt: Sequence[int], slot: int, reuse: bool) -> None:
         if self.inner is not None:
-            self.inner.start(prompt, slot)
+            self.inner.start(prompt, slot, reuse)
 
     def offer(self, seq: Sequence[int], limit: int) -> Offer:
         """The forced tokens, if any: alone, or ahead of the draft model's proposal where the

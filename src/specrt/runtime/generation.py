@@ -40,6 +40,7 @@ class Stats:
     ttft_seconds: float = 0.0
     total_seconds: float = 0.0
     prefill_seconds: float = 0.0
+    cached_tokens: int = 0  # prompt tokens a slot already held: reused, not computed
     controller: str = ""
     drafter: str = ""  # model, ngram, hybrid, or none (the target alone)
     rounds: int = 0

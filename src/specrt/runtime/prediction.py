@@ -53,10 +53,10 @@ class PredictionDrafter:
         self._tokenize_from(0)
         self.length = len(self._tokens)  # the prediction's tokens, tokenized alone
 
-    def start(self, prompt: Sequence[int], slot: int) -> None:
+    def start(self, prompt: Sequence[int], slot: int, reuse: bool) -> None:
         if self.fallback is not None:
-            self.fallback.start(prompt, slot)
-        self.lookup.start(prompt, slot)
+            self.fallback.start(prompt, slot, reuse)
+        self.lookup.start(prompt, slot, reuse)
         self._output = self._synced = len(prompt)
         self._stand_at(0)
 

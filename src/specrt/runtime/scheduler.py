@@ -65,6 +65,7 @@ class Scheduler:
             start = time.perf_counter()
             first, logprobs = prefill(generation.request, self.target)
             generation.stats.prefill_seconds = time.perf_counter() - start
+            generation.stats.cached_tokens = generation.request.cached
             generation.stats.target_calls += 1
             generation.absorb([first], logprobs=logprobs)
             if generation.stopped:

@@ -34,6 +34,7 @@ from specrt.runtime.drafters import (
     draw,
 )
 from specrt.runtime.logprobs import TokenLogprob, token_logprobs
+from specrt.runtime.prompt_cache import take_slot
 from specrt.runtime.sampling import SamplingParams
 
 NONE = Offer("none", 0)  # a request without a drafter: the target alone
@@ -53,6 +54,8 @@ class Request:
     seq: list[int] = field(default_factory=list)
     constraints: Constraints | None = None  # grammar, logit_bias, penalties: draft and target
     logprobs: int | None = None  # report each token's log-probability and this many best
+    reuse_prompt: bool = True  # start from what a slot already holds of the prompt
+    cached: int = 0  # prompt tokens the prefill found in a slot (not computed again)
 
     @property
     def produced(self) -> int:
@@ -85,11 +88,12 @@ class Round:
 
 
 def prefill(req: Request, target: Engine) -> tuple[int, list[TokenLogprob]]:
-    """Start a request in its slot: the prompt in one call of its own, the first token drawn
-    from its last logits, and the drafter given its slot. Returns the first token (and its
-    log-probability where the request asked)."""
-    target.reset(req.slot)
-    logits = target.forward_rows([(req.slot, req.prompt)], last=1)[0]
+    """Start a request in its slot: the prompt in one call of its own (less what a slot already
+    holds of it: see prompt_cache.py), the first token drawn from its last logits, and the
+    drafter given its slot. Returns the first token (and its log-probability where the request
+    asked)."""
+    req.cached = take_slot(target, req.slot, req.prompt, req.reuse_prompt)
+    logits = target.forward_rows([(req.slot, req.prompt[req.cached :])], last=1)[0]
     if req.constraints is not None:
         logits = req.constraints.apply_rows(logits, [])
     first, _, _ = draw(logits[0], req.params, req.rng, threshold=0.0)
@@ -97,7 +101,7 @@ def prefill(req: Request, target: Engine) -> tuple[int, list[TokenLogprob]]:
         req.constraints.close_round(0, [first])
     req.seq = [*req.prompt, first]
     if req.drafter is not None:
-        req.drafter.start(req.prompt, req.slot)
+        req.drafter.start(req.prompt, req.slot, req.reuse_prompt)
     return first, _logprobs(req, logits, [first])
 
 

@@ -80,6 +80,9 @@ class Metrics:
         )
         self.rejected = m.counter("requests_rejected", "Requests refused with 429")
         self.prompt_tokens = m.counter("prompt_tokens", "Prompt tokens processed")
+        self.cached_tokens = m.counter(
+            "prompt_tokens_cached", "Prompt tokens a slot already held (reused, not computed)"
+        )
         self.generation_tokens = m.counter("generation_tokens", "Tokens generated")
         self.waiting = m.gauge("num_requests_waiting", "Requests in the queue")
         self.running = m.gauge("num_requests_running", "Requests on the engines")
@@ -133,6 +136,7 @@ class Metrics:
             {"eos": "stop", "context": "length"}.get(result.finish_reason, result.finish_reason)
         )
         self.prompt_tokens.inc(s.prompt_tokens)
+        self.cached_tokens.inc(s.cached_tokens)
         self.generation_tokens.inc(len(result.token_ids))
         self.queue_time.observe(queue_seconds)
         self.e2e.observe(queue_seconds + s.total_seconds)

@@ -346,8 +346,9 @@ class ChatRequest(_Request):
 
 
 def usage(results: list[Result]) -> dict:
-    """OpenAI's usage over a request's choices (its prompt counted once): prediction tokens the
-    outputs kept, and those verified and dropped."""
+    """OpenAI's usage over a request's choices (its prompt counted once): how much of the prompt
+    a slot already held (cached, not computed again), prediction tokens the outputs kept, and
+    those verified and dropped."""
     prompt = results[0].stats.prompt_tokens
     completion = sum(len(result.token_ids) for result in results)
     details = {
@@ -358,6 +359,7 @@ def usage(results: list[Result]) -> dict:
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": results[0].stats.cached_tokens},
         "completion_tokens_details": details,
     }
 

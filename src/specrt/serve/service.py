@@ -91,7 +91,12 @@ class LocalService:
                 )
                 slots = 1
             runtime = SpeculativeRuntime.load(
-                s.bundle, backend=s.backend, calibrate=s.calibrate, threads=s.threads, slots=slots
+                s.bundle,
+                backend=s.backend,
+                calibrate=s.calibrate,
+                threads=s.threads,
+                slots=slots,
+                prompt_cache=s.prompt_cache,
             )
         except Exception as err:
             self.load_error = f"{type(err).__name__}: {err}"

@@ -26,6 +26,7 @@ class ServeSettings:
     backend: str = "onnxruntime"
     threads: int | None = None
     calibrate: bool = True  # measure the cost curves before reporting ready
+    prompt_cache: bool = True  # a prompt starts from what a slot already holds of it
 
     @property
     def served_model(self) -> str:

@@ -1,0 +1,44 @@
+"""Prompt reuse: a new sequence starts from what a slot's cache already holds of its prompt.
+
+A chat's next turn resends the whole conversation, n choices send one prompt n times, and a
+service's requests share its system prompt; on a CPU a prompt costs as much time as a few
+dozen output tokens per hundred. So before a prefill the longest prefix of the prompt that any
+slot holds is kept: in place where it is the request's own slot (a rollback), copied where it
+is another's, and only the rest is fed.
+
+This changes no output. Reused keys and values were computed by other calls (a prefill cut
+elsewhere, a verify round beside other rows), and the engines already guarantee that a
+position's numbers depend on neither how calls are cut nor their neighbours: that is what lets
+a verify call reproduce one-token decoding (see docs/batching.md, "Batch invariance").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from specrt.engines.base import Engine
+
+
+def shared_length(held: Sequence[int], tokens: Sequence[int]) -> int:
+    """How many leading tokens the two have in common."""
+    n = min(len(held), len(tokens))
+    for i in range(n):
+        if held[i] != tokens[i]:
+            return i
+    return n
+
+
+def take_slot(engine: Engine, slot: int, prompt: Sequence[int], reuse: bool = True) -> int:
+    """Make `slot` hold the longest prefix of the prompt that a slot of the engine holds, all
+    but its last token at most (whose logits the caller needs: it feeds at least that one), and
+    return its length; with reuse off (benchmarks measuring prefill), start the slot empty."""
+    if not reuse:
+        engine.reset(slot)
+        return 0
+    wanted = prompt[: len(prompt) - 1]
+    found = {s: shared_length(engine.held(s), wanted) for s in range(engine.slots)}
+    source = max(found, key=lambda s: (found[s], s == slot))  # the own slot on a tie
+    if source != slot and engine.copy_prefix(source, slot, found[source]):
+        return found[source]
+    engine.rollback(found[slot], slot)
+    return found[slot]

@@ -172,9 +172,11 @@ def _healthy(base: str) -> bool:
         return False
 
 
-def request_body(ids: list[int], max_new_tokens: int, ignore_eos: bool) -> dict:
-    """A greedy /completion of token ids, streamed, tokens returned, nothing reused from an
-    earlier prompt (specrt prefills every prompt too)."""
+def request_body(
+    ids: list[int], max_new_tokens: int, ignore_eos: bool, cache_prompt: bool = False
+) -> dict:
+    """A greedy /completion of token ids, streamed, tokens returned, and by default nothing
+    reused from an earlier prompt (the benchmarks run specrt without its prompt cache too)."""
     return {
         "prompt": ids,
         "n_predict": max_new_tokens,
@@ -183,15 +185,19 @@ def request_body(ids: list[int], max_new_tokens: int, ignore_eos: bool) -> dict:
         "ignore_eos": ignore_eos,
         "stream": True,
         "return_tokens": True,
-        "cache_prompt": False,
+        "cache_prompt": cache_prompt,
     }
 
 
 def complete(
-    base: str, ids: list[int], max_new_tokens: int, ignore_eos: bool = True
+    base: str,
+    ids: list[int],
+    max_new_tokens: int,
+    ignore_eos: bool = True,
+    cache_prompt: bool = False,
 ) -> tuple[list[int], list[float]]:
     """The generated token ids, and when each arrived (seconds from the request)."""
-    body = json.dumps(request_body(ids, max_new_tokens, ignore_eos)).encode()
+    body = json.dumps(request_body(ids, max_new_tokens, ignore_eos, cache_prompt)).encode()
     request = urllib.request.Request(
         f"{base}/completion", data=body, headers={"Content-Type": "application/json"}
     )

@@ -1,0 +1,194 @@
+"""What the prompt cache saves a conversation: the second turn of MT-bench's two-turn questions
+(Spec-Bench's multi-turn category), timed with the cache and computed whole, outputs compared.
+
+Each question runs its first turn, then its second (the first answer resent, as a chat client
+does) twice on the same runtime: first with the cache, which reuses the first turn's prompt and
+answer from the slot, then computed whole. Speculation as served by default (adaptive), EOS
+ends an answer. With `--llama-cpp DIR`, llama-server on the bundle's target GGUF gets the same
+token ids: its slot primed with the first turn's prompt and specrt's answer, then the second
+turn with `cache_prompt` and without.
+
+    python benchmarks/prompt_cache.py BUNDLE [--questions ../shared/specbench/question.jsonl] \
+        [--count 8] [--max-new-tokens 128] [--llama-cpp DIR] \
+        [--out benchmarks/results/cpu-prompt-cache]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import click
+
+from specrt import llamacpp, machine
+from specrt.files import write_result
+from specrt.runtime import SpeculativeRuntime
+
+
+def turn(rt: SpeculativeRuntime, messages: list[dict], max_new: int, cache: bool) -> dict:
+    """One chat turn: its answer, time to first token and in all, and what the cache held."""
+    rt.prompt_cache = cache
+    start = time.perf_counter()
+    generation = rt.stream(messages, max_new_tokens=max_new)
+    first = None
+    for _ in generation:
+        first = first or time.perf_counter()
+    end = time.perf_counter()
+    result = generation.result
+    return {
+        "text": result.text,
+        "tokens": result.token_ids,
+        "prompt_tokens": result.stats.prompt_tokens,
+        "cached_tokens": result.stats.cached_tokens,
+        "ttft_s": (first or end) - start,
+        "seconds": end - start,
+    }
+
+
+def question(rt: SpeculativeRuntime, turns: list[str], max_new: int) -> tuple[dict, list, list]:
+    """A question's second turn, with the cache and computed whole; and the token ids a slot
+    holds after the first turn and the second turn's prompt (for llama-server)."""
+    asked = [{"role": "user", "content": turns[0]}]
+    answer = turn(rt, asked, max_new, cache=False)
+    second = [*asked, {"role": "assistant", "content": answer["text"]}]
+    second.append({"role": "user", "content": turns[1]})
+    cached = turn(rt, second, max_new, cache=True)
+    whole = turn(rt, second, max_new, cache=False)
+    row = {
+        "prompt_tokens": whole["prompt_tokens"],
+        "cached_tokens": cached["cached_tokens"],
+        "ttft_s": {"cached": cached["ttft_s"], "whole": whole["ttft_s"]},
+        "seconds": {"cached": cached["seconds"], "whole": whole["seconds"]},
+        "new_tokens": len(whole["tokens"]),
+        "identical": cached["tokens"] == whole["tokens"],
+    }
+    return row, [*rt.encode(asked), *answer["tokens"]], rt.encode(second)
+
+
+def llama_turns(base: str, held: list[int], prompt: list[int], max_new: int) -> dict:
+    """llama-server's second turn, its slot holding `held`: with cache_prompt, then without."""
+    llamacpp.complete(base, held, 1, cache_prompt=True)
+    runs = {}
+    for how, cache in (("cached", True), ("whole", False)):
+        start = time.perf_counter()
+        _, times = llamacpp.complete(base, prompt, max_new, ignore_eos=False, cache_prompt=cache)
+        end = time.perf_counter()
+        runs[how] = (times[0] if times else end - start, end - start)
+    return {key: {how: runs[how][i] for how in runs} for i, key in enumerate(("ttft_s", "seconds"))}
+
+
+def summary(rows: list[dict]) -> dict:
+    def total(field: str, how: str) -> float:
+        return sum(r[field][how] for r in rows)
+
+    prompts = sum(r["prompt_tokens"] for r in rows)
+    return {
+        "questions": len(rows),
+        "identical": sum(r["identical"] for r in rows),
+        "prompt_tokens_mean": statistics.mean(r["prompt_tokens"] for r in rows),
+        "cached_share": sum(r["cached_tokens"] for r in rows) / prompts,
+        "ttft_s_mean": {h: total("ttft_s", h) / len(rows) for h in ("cached", "whole")},
+        "ttft_speedup": total("ttft_s", "whole") / total("ttft_s", "cached"),
+        "turn_speedup": total("seconds", "whole") / total("seconds", "cached"),
+    }
+
+
+def markdown(result: dict) -> str:
+    s, llama = result["summary"], result.get("llama_server")
+    lines = [
+        "# Prompt cache: a conversation's second turn",
+        "",
+        f"{s['questions']} MT-bench questions (Spec-Bench's multi-turn), second turn, "
+        f"up to {result['max_new_tokens']} tokens, adaptive speculation; `{result['command']}`",
+        "",
+        "| | time to first token (mean) | second turn in all |",
+        "|---|---|---|",
+        f"| computed whole | {1000 * s['ttft_s_mean']['whole']:.0f} ms | "
+        f"{sum(r['seconds']['whole'] for r in result['rows']):.1f} s |",
+        f"| prompt cache | {1000 * s['ttft_s_mean']['cached']:.0f} ms | "
+        f"{sum(r['seconds']['cached'] for r in result['rows']):.1f} s |",
+        f"| ratio | {s['ttft_speedup']:.2f}× | {s['turn_speedup']:.2f}× |",
+        *_llama_lines(llama),
+        "",
+        f"Prompts of {s['prompt_tokens_mean']:.0f} tokens on average, "
+        f"{100 * s['cached_share']:.0f} % of them reused from the slot; "
+        f"{s['identical']} of {s['questions']} outputs identical to the prompt computed whole.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _llama_lines(llama: dict | None) -> list[str]:
+    if not llama:
+        return []
+    rows = llama["rows"]
+    ttft = {h: 1000 * statistics.mean(r["ttft_s"][h] for r in rows) for h in ("whole", "cached")}
+    seconds = {h: sum(r["seconds"][h] for r in rows) for h in ("whole", "cached")}
+    return [
+        f"| llama-server, computed whole | {ttft['whole']:.0f} ms | {seconds['whole']:.1f} s |",
+        f"| llama-server, `cache_prompt` | {ttft['cached']:.0f} ms | {seconds['cached']:.1f} s |",
+    ]
+
+
+@click.command()
+@click.argument("bundle", type=click.Path(exists=True, path_type=Path))
+@click.option(
+    "--questions",
+    type=click.Path(exists=True, path_type=Path),
+    default=Path("../shared/specbench/question.jsonl"),
+    show_default=True,
+)
+@click.option("--count", default=8, show_default=True, help="Questions, spread over categories.")
+@click.option("--max-new-tokens", default=128, show_default=True)
+@click.option("--llama-cpp", type=click.Path(path_type=Path), help="llama-server's folder.")
+@click.option("--out", type=Path, default=Path("benchmarks/results/cpu-prompt-cache"))
+def main(
+    bundle: Path, questions: Path, count: int, max_new_tokens: int, llama_cpp, out: Path
+) -> None:
+    items = [json.loads(line) for line in questions.read_text().splitlines() if line.strip()]
+    two_turn = [q for q in items if len(q.get("turns", ())) == 2]
+    step = max(1, len(two_turn) // count)
+    chosen = two_turn[::step][:count]
+    rt = SpeculativeRuntime.load(bundle, prompt_cache=False)
+    rt.generate("Hello", max_new_tokens=4)  # warm-up: first runs allocate
+    rows, replays = [], []
+    for i, q in enumerate(chosen):
+        row, *replay = question(rt, q["turns"], max_new_tokens)
+        replays.append(replay)
+        rows.append({"question_id": q.get("question_id"), "category": q.get("category"), **row})
+        print(f"{i + 1}/{len(chosen)} {q.get('category')}: prompt {row['prompt_tokens']}, "
+              f"cached {row['cached_tokens']}, first token {row['ttft_s']['cached']:.2f} s "
+              f"vs {row['ttft_s']['whole']:.2f} s", flush=True)  # fmt: skip
+    result = {
+        "kind": "prompt_cache",
+        "machine": machine.describe(),
+        "command": f"python benchmarks/prompt_cache.py BUNDLE --count {count} "
+        f"--max-new-tokens {max_new_tokens}",
+        "bundle": str(bundle),
+        "max_new_tokens": max_new_tokens,
+        "rows": rows,
+        "summary": summary(rows),
+        "llama_server": llama_server(rt, llama_cpp, replays, max_new_tokens),
+    }
+    write_result(out, result, markdown(result))
+    print(markdown(result))
+
+
+def llama_server(rt: SpeculativeRuntime, folder, replays: list, max_new: int) -> dict | None:
+    """The same second turns on llama-server (one slot), where a build and the GGUF are here."""
+    binary, files = llamacpp.find_server(folder), llamacpp.gguf_sources(rt.bundle)
+    if binary is None or "target" not in files:
+        print(llamacpp.MISSING if binary is None else "llama rows skipped: no target GGUF")
+        return None
+    threads, context = os.cpu_count(), rt.bundle.max_context  # specrt's engines use every core
+    spec = llamacpp.ServerSpec(binary, files["target"], threads=threads, context=context)
+    with llamacpp.serving(spec) as base:
+        llamacpp.complete(base, replays[0][1][:8], 4)  # warm-up
+        rows = [llama_turns(base, held, prompt, max_new) for held, prompt in replays]
+    return {"command": " ".join(spec.command(0)), "rows": rows}
+
+
+if __name__ == "__main__":
+    main()

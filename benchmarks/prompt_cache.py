@@ -62,7 +62,7 @@ def question(rt: SpeculativeRuntime, turns: list[str], max_new: int) -> tuple[di
         "cached_tokens": cached["cached_tokens"],
         "ttft_s": {"cached": cached["ttft_s"], "whole": whole["ttft_s"]},
         "seconds": {"cached": cached["seconds"], "whole": whole["seconds"]},
-        "new_tokens": len(whole["tokens"]),
+        "new_tokens": {"cached": len(cached["tokens"]), "whole": len(whole["tokens"])},
         "identical": cached["tokens"] == whole["tokens"],
     }
     return row, [*rt.encode(asked), *answer["tokens"]], rt.encode(second)
@@ -71,13 +71,15 @@ def question(rt: SpeculativeRuntime, turns: list[str], max_new: int) -> tuple[di
 def llama_turns(base: str, held: list[int], prompt: list[int], max_new: int) -> dict:
     """llama-server's second turn, its slot holding `held`: with cache_prompt, then without."""
     llamacpp.complete(base, held, 1, cache_prompt=True)
-    runs = {}
+    row: dict[str, dict] = {"ttft_s": {}, "seconds": {}, "new_tokens": {}}
     for how, cache in (("cached", True), ("whole", False)):
         start = time.perf_counter()
-        _, times = llamacpp.complete(base, prompt, max_new, ignore_eos=False, cache_prompt=cache)
-        end = time.perf_counter()
-        runs[how] = (times[0] if times else end - start, end - start)
-    return {key: {how: runs[how][i] for how in runs} for i, key in enumerate(("ttft_s", "seconds"))}
+        tokens, times = llamacpp.complete(base, prompt, max_new, False, cache_prompt=cache)
+        seconds = time.perf_counter() - start
+        row["ttft_s"][how] = times[0] if times else seconds
+        row["seconds"][how] = seconds
+        row["new_tokens"][how] = len(tokens)
+    return row
 
 
 def summary(rows: list[dict]) -> dict:
@@ -104,32 +106,30 @@ def markdown(result: dict) -> str:
         f"{s['questions']} MT-bench questions (Spec-Bench's multi-turn), second turn, "
         f"up to {result['max_new_tokens']} tokens, adaptive speculation; `{result['command']}`",
         "",
-        "| | time to first token (mean) | second turn in all |",
-        "|---|---|---|",
-        f"| computed whole | {1000 * s['ttft_s_mean']['whole']:.0f} ms | "
-        f"{sum(r['seconds']['whole'] for r in result['rows']):.1f} s |",
-        f"| prompt cache | {1000 * s['ttft_s_mean']['cached']:.0f} ms | "
-        f"{sum(r['seconds']['cached'] for r in result['rows']):.1f} s |",
-        f"| ratio | {s['ttft_speedup']:.2f}× | {s['turn_speedup']:.2f}× |",
-        *_llama_lines(llama),
+        "| second turn | time to first token (mean) | tokens | seconds | tokens/s |",
+        "|---|---|---|---|---|",
+        _line("specrt, computed whole", result["rows"], "whole"),
+        _line("specrt, prompt cache", result["rows"], "cached"),
+    ]
+    if llama:
+        lines.append(_line("llama-server, computed whole", llama["rows"], "whole"))
+        lines.append(_line("llama-server, `cache_prompt`", llama["rows"], "cached"))
+    lines += [
         "",
         f"Prompts of {s['prompt_tokens_mean']:.0f} tokens on average, "
-        f"{100 * s['cached_share']:.0f} % of them reused from the slot; "
+        f"{100 * s['cached_share']:.0f} % of them reused from the slot: the first token "
+        f"{s['ttft_speedup']:.2f}× sooner, the turn {s['turn_speedup']:.2f}× faster; "
         f"{s['identical']} of {s['questions']} outputs identical to the prompt computed whole.",
     ]
     return "\n".join(lines) + "\n"
 
 
-def _llama_lines(llama: dict | None) -> list[str]:
-    if not llama:
-        return []
-    rows = llama["rows"]
-    ttft = {h: 1000 * statistics.mean(r["ttft_s"][h] for r in rows) for h in ("whole", "cached")}
-    seconds = {h: sum(r["seconds"][h] for r in rows) for h in ("whole", "cached")}
-    return [
-        f"| llama-server, computed whole | {ttft['whole']:.0f} ms | {seconds['whole']:.1f} s |",
-        f"| llama-server, `cache_prompt` | {ttft['cached']:.0f} ms | {seconds['cached']:.1f} s |",
-    ]
+def _line(label: str, rows: list[dict], how: str) -> str:
+    """One table row: the runs' mean time to first token and their totals."""
+    ttft = 1000 * statistics.mean(r["ttft_s"][how] for r in rows)
+    tokens = sum(r["new_tokens"][how] for r in rows)
+    seconds = sum(r["seconds"][how] for r in rows)
+    return f"| {label} | {ttft:.0f} ms | {tokens} | {seconds:.1f} | {tokens / seconds:.2f} |"
 
 
 @click.command()

@@ -71,7 +71,8 @@ def question(rt: SpeculativeRuntime, turns: list[str], max_new: int) -> tuple[di
 def llama_turns(base: str, held: list[int], prompt: list[int], max_new: int) -> dict:
     """llama-server's second turn, its slot holding `held`: with cache_prompt, then without."""
     llamacpp.complete(base, held, 1, cache_prompt=True)
-    row: dict[str, dict] = {"ttft_s": {}, "seconds": {}, "new_tokens": {}}
+    row: dict = {"ttft_s": {}, "seconds": {}, "new_tokens": {}}
+    outputs = []
     for how, cache in (("cached", True), ("whole", False)):
         start = time.perf_counter()
         tokens, times = llamacpp.complete(base, prompt, max_new, False, cache_prompt=cache)
@@ -79,6 +80,8 @@ def llama_turns(base: str, held: list[int], prompt: list[int], max_new: int) -> 
         row["ttft_s"][how] = times[0] if times else seconds
         row["seconds"][how] = seconds
         row["new_tokens"][how] = len(tokens)
+        outputs.append(tokens)
+    row["identical"] = outputs[0] == outputs[1]
     return row
 
 
@@ -121,6 +124,9 @@ def markdown(result: dict) -> str:
         f"{s['ttft_speedup']:.2f}× sooner, the turn {s['turn_speedup']:.2f}× faster; "
         f"{s['identical']} of {s['questions']} outputs identical to the prompt computed whole.",
     ]
+    if llama:
+        same, count = sum(r["identical"] for r in llama["rows"]), len(llama["rows"])
+        lines.append(f"llama-server: {same} of {count} identical with `cache_prompt` and without.")
     return "\n".join(lines) + "\n"
 
 

@@ -31,6 +31,7 @@ RENDERERS = {
     "ceilings": "ceilings",
     "gguf_forms": "gguf_forms",
     "grammar_engines": "grammar_engines",
+    "prefill_chunks": "prefill_chunks",
     "prompt_cache": "prompt_cache",
     "quant_quality": "quant_quality",
     "row_padding": "row_padding",

@@ -207,7 +207,7 @@ def test_requests_with_and_without_predictions_share_a_batch(bundles):
     ]
     for generation in generations:
         scheduler.add(generation)
-    while scheduler.running or scheduler.waiting:
+    while scheduler.busy:
         scheduler.step()
     for generation, one in zip(generations, alone, strict=True):
         assert generation.result.token_ids == one.token_ids

@@ -17,6 +17,7 @@ from specrt.errors import SpecrtError
 from specrt.files import specrt_home
 from specrt.models_cli import models
 from specrt.runtime.drafters import DRAFTERS
+from specrt.runtime.scheduler import PREFILL_CHUNK
 
 
 class _Group(click.Group):
@@ -561,6 +562,13 @@ def bench(
     help="Start a prompt from what a slot already holds of it (exact; off: every prompt "
     "computed whole, as when measuring prefill).",
 )
+@click.option(
+    "--prefill-chunk",
+    default=PREFILL_CHUNK,
+    show_default=True,
+    help="Prompt tokens fed between rounds, so a long prompt joining stalls the running "
+    "requests one chunk at most (0: each prompt whole).",
+)
 @click.option("--log-level", default="info", show_default=True)
 @click.option("--ray", "on_ray", is_flag=True, help="Serve on Ray Serve (the ray extra).")
 @click.option("--replicas", type=int, default=1, show_default=True, help="--ray: engine replicas.")
@@ -581,6 +589,7 @@ def serve(
     backend,
     threads,
     prompt_cache,
+    prefill_chunk,
     log_level,
     on_ray,
     replicas,
@@ -611,6 +620,7 @@ def serve(
         backend=backend,
         threads=threads,
         prompt_cache=prompt_cache,
+        prefill_chunk=prefill_chunk,
     )
     ray = RayOptions(replicas=replicas, min_replicas=min_replicas, max_replicas=max_replicas)
     if not on_ray and (ray != RayOptions() or ray_address):

@@ -112,14 +112,14 @@ def run_level(
     alone: dict[int, list[int]],
 ) -> dict:
     """Serve one level; return its figures."""
-    scheduler = Scheduler(rt.target, rt.costs, concurrency)
+    scheduler = Scheduler(rt.target, rt.costs, concurrency, rt.prefill_chunk)
     count = max(4, 2 * concurrency)
     todo = deque((i % len(prompts)) for i in range(count))
     sent: dict[Generation, tuple[int, float]] = {}
     first: dict[Generation, float] = {}
     done: list[Served] = []
     start = time.perf_counter()
-    while todo or scheduler.running or scheduler.waiting:
+    while todo or scheduler.busy:
         while todo and scheduler.has_room:
             index = todo.popleft()
             generation = rt.stream(

@@ -30,7 +30,7 @@ from specrt.runtime.grammar import Grammars, Structure
 from specrt.runtime.logprobs import check_top
 from specrt.runtime.prediction import PredictionDrafter
 from specrt.runtime.sampling import SamplingParams
-from specrt.runtime.scheduler import Scheduler
+from specrt.runtime.scheduler import PREFILL_CHUNK, Scheduler
 from specrt.runtime.speculative import Request
 from specrt.runtime.stops import StopRules
 from specrt.runtime.text import TextTokenizer
@@ -48,11 +48,13 @@ class SpeculativeRuntime:
         controller: str = "adaptive",
         drafter: str | None = None,
         prompt_cache: bool = True,
+        prefill_chunk: int | None = PREFILL_CHUNK,
     ):
         """draft is None for a bundle built without a draft model; drafter is the default
         source of drafts (`model`, `ngram` or `hybrid`; default: model where there is one);
         prompt_cache: a prompt starts from what a slot already holds of it (exact; see
-        prompt_cache.py), off where a benchmark measures prefill."""
+        prompt_cache.py), off where a benchmark measures prefill; prefill_chunk: prompt
+        tokens a batch feeds between rounds (None: each prompt whole, see scheduler.py)."""
         self.bundle = bundle
         self.draft, self.target = draft, target
         self.drafter: str = drafter or ("ngram" if draft is None else "model")
@@ -66,6 +68,9 @@ class SpeculativeRuntime:
         self.costs = StepCosts()  # learned by the rounds, or calibrated
         self.acceptance = PooledAcceptance()  # where a request's adaptive estimate starts
         self.prompt_cache = prompt_cache
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise SpecrtError(f"a prefill chunk must be at least 1 token, got {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk
 
     @property
     def slots(self) -> int:
@@ -93,6 +98,7 @@ class SpeculativeRuntime:
         calibrate: bool = True,
         slots: int = 1,
         prompt_cache: bool = True,
+        prefill_chunk: int | None = PREFILL_CHUNK,
         **engine_options,
     ) -> SpeculativeRuntime:
         """slots: requests the engines hold side by side (a server's --max-batch)."""
@@ -104,7 +110,13 @@ class SpeculativeRuntime:
             draft = load_engine(bundle, "draft", backend, **engine_options)
         target = load_engine(bundle, "target", backend, **engine_options)
         runtime = cls(
-            bundle, draft, target, controller=controller, drafter=drafter, prompt_cache=prompt_cache
+            bundle,
+            draft,
+            target,
+            controller=controller,
+            drafter=drafter,
+            prompt_cache=prompt_cache,
+            prefill_chunk=prefill_chunk,
         )
         if calibrate:
             runtime.calibrate()
@@ -238,8 +250,9 @@ class SpeculativeRuntime:
         return drafter
 
     def serve_alone(self, generation: Generation) -> Iterator[str]:
-        """Run one generation to its end (a batch of one, in slot 0), yielding its text."""
-        scheduler = Scheduler(self.target, self.costs)
+        """Run one generation to its end (a batch of one, in slot 0, its prompt whole: nothing
+        runs beside it), yielding its text."""
+        scheduler = Scheduler(self.target, self.costs, chunk=None)
         scheduler.add(generation)
         while generation.result is None:
             scheduler.step()

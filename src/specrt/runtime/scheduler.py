@@ -1,10 +1,12 @@
 """Continuous batching over the engines' slots.
 
 Generations wait in FIFO order and join between rounds, each into a free slot; a joining
-prompt runs as a call of its own (prefill), not padded into the round: prompts are hundreds of
+prompt runs as calls of its own (prefill), not padded into the round: prompts are hundreds of
 tokens and a round's rows a few, so one long prompt in the batch would pad every row to its
-length. A step either admits what fits (so a new request's first token is not held behind a
-round) or runs one round for every running generation; a generation leaves as soon as its
+length. A prompt is fed in chunks of at most `chunk` tokens a step, and while others are
+running, steps alternate between a chunk and a round: a long prompt joining then stalls the
+running generations for one chunk's time at most instead of its whole prefill (chunk None:
+every prompt whole in one step, before the next round). A generation leaves as soon as its
 output ends, freeing its slot for the next. The scheduler knows no HTTP and no threads: the
 API drives it for one request, the server's worker thread for many.
 """
@@ -18,60 +20,117 @@ from dataclasses import dataclass
 from specrt.engines.base import Engine
 from specrt.runtime.costs import StepCosts
 from specrt.runtime.generation import Generation
-from specrt.runtime.speculative import prefill, speculate
+from specrt.runtime.speculative import prefill, speculate, start
+
+PREFILL_CHUNK = 256  # prompt tokens a step feeds (see docs/batching.md for its measured cost)
 
 
 @dataclass
 class Step:
     moved: list[Generation]  # new tokens, or ended (their `result` is set)
-    batch: int  # requests in the round run (0: the step admitted instead)
+    batch: int  # requests in the round run (0: the step fed prompts instead)
 
 
 class Scheduler:
-    def __init__(self, target: Engine, costs: StepCosts, slots: int = 1):
+    def __init__(
+        self,
+        target: Engine,
+        costs: StepCosts,
+        slots: int = 1,
+        chunk: int | None = PREFILL_CHUNK,
+    ):
         if slots > target.slots:
             raise ValueError(f"{slots} slots asked of an engine that holds {target.slots}")
-        self.target, self.costs, self.slots = target, costs, slots
+        if chunk is not None and chunk < 1:
+            raise ValueError(f"a prefill chunk must be at least 1 token, got {chunk}")
+        self.target, self.costs, self.slots, self.chunk = target, costs, slots, chunk
         self.waiting: deque[Generation] = deque()
+        self.prefilling: deque[Generation] = deque()  # in a slot, their prompt partly fed
+        self._started: set[Generation] = set()  # of those, the ones whose slot is set up
         self.running: dict[int, Generation] = {}  # by slot
+        self._fed_last = False  # the last step fed prompts: a round goes next
+
+    @property
+    def active(self) -> int:
+        """Generations holding a slot."""
+        return len(self.running) + len(self.prefilling)
+
+    @property
+    def busy(self) -> bool:
+        """Generations are waiting or holding a slot."""
+        return bool(self.waiting) or self.active > 0
 
     @property
     def has_room(self) -> bool:
-        return len(self.running) + len(self.waiting) < self.slots
+        return self.active + len(self.waiting) < self.slots
 
     def add(self, generation: Generation) -> None:
         self.waiting.append(generation)
 
     def step(self) -> Step:
-        """Admit waiting generations into free slots, or else run one round."""
-        if self.waiting and len(self.running) < self.slots:
-            return Step(self._admit(), 0)
+        """Seat waiting generations in free slots; then feed prompts or run one round, in turn
+        while both are due."""
+        seated = self._seat()
+        if self.prefilling and not (self.running and self._fed_last):
+            self._fed_last = True
+            return Step(seated + self._feed(), 0)
+        self._fed_last = False
         if self.running:
-            return self._round()
-        return Step([], 0)
+            step = self._round()
+            return Step(seated + step.moved, step.batch)
+        return Step(seated, 0)
 
-    def _admit(self) -> list[Generation]:
-        moved = []
-        while self.waiting and len(self.running) < self.slots:
+    def _seat(self) -> list[Generation]:
+        """Waiting generations into free slots (those interrupted meanwhile end here)."""
+        ended = []
+        while self.waiting and self.active < self.slots:
             generation = self.waiting.popleft()
-            moved.append(generation)
             reason = generation.interrupted()
             if reason:
                 generation.close(reason)
+                ended.append(generation)
                 continue
-            slot = min(set(range(self.slots)) - set(self.running))
-            generation.request.slot = slot
+            taken = {g.request.slot for g in self.prefilling} | set(self.running)
+            generation.request.slot = min(set(range(self.slots)) - taken)
             generation.begin()
-            start = time.perf_counter()
-            first, logprobs = prefill(generation.request, self.target)
-            generation.stats.prefill_seconds = time.perf_counter() - start
-            generation.stats.cached_tokens = generation.request.cached
-            generation.stats.target_calls += 1
-            generation.absorb([first], logprobs=logprobs)
+            self.prefilling.append(generation)
+        return ended
+
+    def _feed(self) -> list[Generation]:
+        """Up to `chunk` prompt tokens, in FIFO order; a prompt fed whole gets its first
+        token and starts running."""
+        moved, budget = [], self.chunk
+        while self.prefilling and (budget is None or budget > 0):
+            generation = self.prefilling[0]
+            request = generation.request
+            reason = generation.interrupted()
+            if reason:
+                self.prefilling.popleft()
+                self._started.discard(generation)
+                generation.close(reason)
+                moved.append(generation)
+                continue
+            if generation not in self._started:  # only now: a prompt fed before it is reused
+                start(request, self.target)
+                generation.stats.cached_tokens = request.cached
+                self._started.add(generation)
+            left = len(request.prompt) - self.target.lengths[request.slot]
+            take = left if budget is None else min(left, budget)
+            started = time.perf_counter()
+            first = prefill(request, self.target, take)
+            generation.stats.prefill_seconds += time.perf_counter() - started
+            budget = None if budget is None else budget - take
+            if first is None:
+                break
+            self.prefilling.popleft()
+            self._started.discard(generation)
+            generation.stats.target_calls += 1  # the prefill counts as one, however cut
+            generation.absorb([first[0]], logprobs=first[1])
+            moved.append(generation)
             if generation.stopped:
                 generation.close()
             else:
-                self.running[slot] = generation
+                self.running[request.slot] = generation
         return moved
 
     def _round(self) -> Step:

@@ -87,21 +87,31 @@ class Round:
         return [made] * self.accepted[i] + ["target"]
 
 
-def prefill(req: Request, target: Engine) -> tuple[int, list[TokenLogprob]]:
-    """Start a request in its slot: the prompt in one call of its own (less what a slot already
-    holds of it: see prompt_cache.py), the first token drawn from its last logits, and the
-    drafter given its slot. Returns the first token (and its log-probability where the request
-    asked)."""
+def start(req: Request, target: Engine) -> None:
+    """Give a request its slot, keeping what a slot already holds of its prompt (see
+    prompt_cache.py; `prefill` feeds the rest), and its drafter the same slot."""
     req.cached = take_slot(target, req.slot, req.prompt, req.reuse_prompt)
-    logits = target.forward_rows([(req.slot, req.prompt[req.cached :])], last=1)[0]
+    if req.drafter is not None:
+        req.drafter.start(req.prompt, req.slot, req.reuse_prompt)
+
+
+def prefill(
+    req: Request, target: Engine, chunk: int | None = None
+) -> tuple[int, list[TokenLogprob]] | None:
+    """Feed the next `chunk` tokens of a started request's prompt (default: all that are left)
+    in a call of its own. Once the last is in, draw the first token from its logits and return
+    it (and its log-probability where the request asked); None while the prompt goes on."""
+    fed = target.lengths[req.slot]
+    end = len(req.prompt) if chunk is None else min(len(req.prompt), fed + chunk)
+    logits = target.forward_rows([(req.slot, req.prompt[fed:end])], last=1)[0]
+    if end < len(req.prompt):
+        return None
     if req.constraints is not None:
         logits = req.constraints.apply_rows(logits, [])
     first, _, _ = draw(logits[0], req.params, req.rng, threshold=0.0)
     if req.constraints is not None:
         req.constraints.close_round(0, [first])
     req.seq = [*req.prompt, first]
-    if req.drafter is not None:
-        req.drafter.start(req.prompt, req.slot, req.reuse_prompt)
     return first, _logprobs(req, logits, [first])
 
 

@@ -97,6 +97,7 @@ class LocalService:
                 threads=s.threads,
                 slots=slots,
                 prompt_cache=s.prompt_cache,
+                prefill_chunk=s.prefill_chunk or None,
             )
         except Exception as err:
             self.load_error = f"{type(err).__name__}: {err}"

@@ -9,6 +9,7 @@ from pathlib import Path
 from specrt.bundle import Bundle
 from specrt.errors import SpecrtError
 from specrt.runtime.controller import make_controller
+from specrt.runtime.scheduler import PREFILL_CHUNK
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class ServeSettings:
     threads: int | None = None
     calibrate: bool = True  # measure the cost curves before reporting ready
     prompt_cache: bool = True  # a prompt starts from what a slot already holds of it
+    prefill_chunk: int = PREFILL_CHUNK  # prompt tokens fed between rounds (0: each whole)
 
     @property
     def served_model(self) -> str:
@@ -44,6 +46,10 @@ class ServeSettings:
             )
         if self.max_batch < 1:
             raise SpecrtError(f"--max-batch must be >= 1, got {self.max_batch}")
+        if self.prefill_chunk < 0:
+            raise SpecrtError(
+                f"--prefill-chunk must be >= 0 (0: each prompt whole), got {self.prefill_chunk}"
+            )
         if self.max_queue < 1:
             raise SpecrtError(
                 f"--max-queue must be >= 1 (requests wait there), got {self.max_queue}"

@@ -74,7 +74,7 @@ class Worker:
     ):
         self.runtime, self.max_batch = runtime, max_batch
         self.max_queue, self.metrics = max_queue, metrics
-        self.scheduler = Scheduler(runtime.target, runtime.costs, max_batch)
+        self.scheduler = self._scheduler()
         self._waiting: deque[Job] = deque()  # submitted, not yet in the scheduler
         self._jobs: dict[Generation, Job] = {}  # in the scheduler
         self._cond = threading.Condition()
@@ -83,6 +83,10 @@ class Worker:
         self._service_seconds = 1.0  # recent time per request, for Retry-After
         self._thread = threading.Thread(target=self._run, name="specrt-engines", daemon=True)
         self._thread.start()
+
+    def _scheduler(self) -> Scheduler:
+        runtime = self.runtime
+        return Scheduler(runtime.target, runtime.costs, self.max_batch, runtime.prefill_chunk)
 
     @property
     def depth(self) -> int:
@@ -160,7 +164,7 @@ class Worker:
             except Exception as err:
                 self._fail_all(err)
                 continue
-            self.metrics.running.set(len(self.scheduler.running))
+            self.metrics.running.set(self.scheduler.active)
             if step.batch:
                 self.metrics.batch_size.observe(step.batch)
             for generation in step.moved:
@@ -194,5 +198,5 @@ class Worker:
             self._jobs.clear()
         for job in failed:
             job.emit(Failed(error))
-        self.scheduler = Scheduler(self.runtime.target, self.runtime.costs, self.max_batch)
+        self.scheduler = self._scheduler()
         self.metrics.running.set(0)

@@ -1,0 +1,81 @@
+"""Chunked prefill: a long prompt joins a batch a chunk at a time, between the running
+requests' rounds, and every output stays the one the request gives alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from specrt.errors import SpecrtError
+from specrt.runtime import Scheduler, SpeculativeRuntime
+from specrt.serve import ServeSettings
+
+LONG = [(7 * i + 3) % 300 + 10 for i in range(61)]  # token ids: a 61-token prompt
+SHORT = [12, 40, 7, 99]
+
+
+@pytest.fixture(scope="module")
+def runtime(bundles) -> SpeculativeRuntime:
+    return SpeculativeRuntime.load(bundles["llama"], calibrate=False, slots=3, prompt_cache=False)
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 16, None])
+def test_chunked_prompts_give_each_output_alone(runtime, chunk):
+    prompts = [LONG, SHORT, LONG[::-1], [*SHORT, *LONG[:30]]]
+    alone = [runtime.generate(p, max_new_tokens=12, ignore_eos=True).token_ids for p in prompts]
+    scheduler = Scheduler(runtime.target, runtime.costs, slots=3, chunk=chunk)
+    generations = [runtime.stream(p, max_new_tokens=12, ignore_eos=True) for p in prompts]
+    for generation in generations:
+        scheduler.add(generation)
+    while any(g.result is None for g in generations):
+        scheduler.step()
+    assert [g.result.token_ids for g in generations] == alone
+    assert all(g.result.stats.target_calls <= 12 for g in generations)  # a prefill counts once
+
+
+def test_a_long_prompt_joins_a_chunk_at_a_time_between_rounds(runtime):
+    """While the long prompt is fed in 8-token chunks, the running request gets a round after
+    every chunk, so its tokens keep coming (one chunk's stall at most)."""
+    scheduler = Scheduler(runtime.target, runtime.costs, slots=2, chunk=8)
+    running = runtime.stream(SHORT, max_new_tokens=40, ignore_eos=True, speculate=False)
+    scheduler.add(running)
+    scheduler.step()  # its prefill
+    joining = runtime.stream(LONG, max_new_tokens=4, ignore_eos=True, speculate=False)
+    scheduler.add(joining)
+    before, batches = len(running.stops.tokens), []
+    while not joining.stops.tokens:
+        batches.append(scheduler.step().batch)
+    chunks = -(-len(LONG) // 8)
+    assert batches == [1, 0] * chunks  # the prefill step went last, so a round comes first
+    assert len(running.stops.tokens) - before == chunks
+
+
+def test_without_chunks_a_prompt_is_fed_whole_before_the_next_round(runtime):
+    scheduler = Scheduler(runtime.target, runtime.costs, slots=2, chunk=None)
+    running = runtime.stream(SHORT, max_new_tokens=40, ignore_eos=True, speculate=False)
+    scheduler.add(running)
+    scheduler.step()
+    joining = runtime.stream(LONG, max_new_tokens=4, ignore_eos=True, speculate=False)
+    scheduler.add(joining)
+    assert scheduler.step().batch == 1  # the running request's turn: the last step fed
+    assert scheduler.step().batch == 0 and len(joining.stops.tokens) == 1
+
+
+def test_a_request_cancelled_mid_prompt_leaves_its_slot(runtime):
+    scheduler = Scheduler(runtime.target, runtime.costs, slots=1, chunk=8)
+    joining = runtime.stream(LONG, max_new_tokens=4)
+    scheduler.add(joining)
+    scheduler.step()
+    assert scheduler.active == 1 and joining.result is None
+    joining.cancel()
+    scheduler.step()
+    assert joining.result.finish_reason == "cancelled" and not joining.result.token_ids
+    assert scheduler.active == 0 and not scheduler.busy
+
+
+def test_a_bad_chunk_is_refused(runtime, bundles):
+    with pytest.raises(ValueError, match="at least 1 token"):
+        Scheduler(runtime.target, runtime.costs, chunk=0)
+    with pytest.raises(SpecrtError, match="at least 1 token"):
+        SpeculativeRuntime.load(bundles["llama"], calibrate=False, prefill_chunk=0)
+    with pytest.raises(SpecrtError, match="--prefill-chunk"):
+        ServeSettings(bundle=bundles["llama"], prefill_chunk=-1).check()

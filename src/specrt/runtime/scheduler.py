@@ -22,7 +22,7 @@ from specrt.runtime.costs import StepCosts
 from specrt.runtime.generation import Generation
 from specrt.runtime.speculative import prefill, speculate, start
 
-PREFILL_CHUNK = 256  # prompt tokens a step feeds (see docs/batching.md for its measured cost)
+PREFILL_CHUNK = 128  # prompt tokens a step feeds (docs/batching.md: what it costs, what it saves)
 
 
 @dataclass

@@ -37,7 +37,7 @@ from specrt.runtime.drafters import ConstrainedDrafter, ModelDrafter, NgramDraft
 from specrt.runtime.grammar import Grammars, Structure
 from specrt.runtime.prediction import PredictionDrafter
 from specrt.runtime.sampling import SamplingParams, probabilities
-from specrt.runtime.speculative import Request, prefill, speculate
+from specrt.runtime.speculative import Request, prefill, speculate, start
 from specrt.runtime.text import TextTokenizer
 from specrt.sources import Source
 
@@ -130,6 +130,7 @@ def sample_counts(
         request.constraints = constraints
         batch = [request] if neighbour is None else [neighbour(rng), request]
         for r in batch:
+            start(r, target)
             prefill(r, target)
         while live := [r for r in batch if r.room(target.capacity) >= 0]:
             step = speculate(live, target, costs)

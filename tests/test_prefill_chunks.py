@@ -20,16 +20,21 @@ def runtime(bundles) -> SpeculativeRuntime:
 
 @pytest.mark.parametrize("chunk", [1, 5, 16, None])
 def test_chunked_prompts_give_each_output_alone(runtime, chunk):
-    prompts = [LONG, SHORT, LONG[::-1], [*SHORT, *LONG[:30]]]
-    alone = [runtime.generate(p, max_new_tokens=12, ignore_eos=True).token_ids for p in prompts]
-    scheduler = Scheduler(runtime.target, runtime.costs, slots=3, chunk=chunk)
-    generations = [runtime.stream(p, max_new_tokens=12, ignore_eos=True) for p in prompts]
+    """Two slots: the first two prompts go whole, the others join while the first (the
+    longest answer) is running, so they are fed in chunks."""
+    prompts = [SHORT, LONG[:20], LONG, LONG[::-1], [*SHORT, *LONG[:30]]]
+    budgets = [40, 8, 8, 8, 8]
+    pairs = list(zip(prompts, budgets, strict=True))
+    alone = [runtime.generate(p, max_new_tokens=n, ignore_eos=True).token_ids for p, n in pairs]
+    scheduler = Scheduler(runtime.target, runtime.costs, slots=2, chunk=chunk)
+    generations = [runtime.stream(p, max_new_tokens=n, ignore_eos=True) for p, n in pairs]
     for generation in generations:
         scheduler.add(generation)
     while any(g.result is None for g in generations):
         scheduler.step()
     assert [g.result.token_ids for g in generations] == alone
-    assert all(g.result.stats.target_calls <= 12 for g in generations)  # a prefill counts once
+    calls = [g.result.stats.target_calls for g in generations]
+    assert all(c <= n for c, n in zip(calls, budgets, strict=True))  # a prefill counts once
 
 
 def test_a_long_prompt_joins_a_chunk_at_a_time_between_rounds(runtime):
@@ -60,16 +65,32 @@ def test_without_chunks_a_prompt_is_fed_whole_before_the_next_round(runtime):
     assert scheduler.step().batch == 0 and len(joining.stops.tokens) == 1
 
 
+def test_with_nothing_running_prompts_are_fed_whole(runtime):
+    """Chunks bound the stall of running requests: with none, every prompt goes at once."""
+    scheduler = Scheduler(runtime.target, runtime.costs, slots=2, chunk=8)
+    generations = [runtime.stream(p, max_new_tokens=4) for p in (LONG, LONG[::-1])]
+    for generation in generations:
+        scheduler.add(generation)
+    assert scheduler.step().batch == 0
+    assert all(len(g.stops.tokens) == 1 for g in generations)
+
+
 def test_a_request_cancelled_mid_prompt_leaves_its_slot(runtime):
-    scheduler = Scheduler(runtime.target, runtime.costs, slots=1, chunk=8)
+    scheduler = Scheduler(runtime.target, runtime.costs, slots=2, chunk=8)
+    running = runtime.stream(SHORT, max_new_tokens=40, ignore_eos=True)
+    scheduler.add(running)
+    scheduler.step()
     joining = runtime.stream(LONG, max_new_tokens=4)
     scheduler.add(joining)
-    scheduler.step()
-    assert scheduler.active == 1 and joining.result is None
+    scheduler.step()  # a round
+    scheduler.step()  # the first chunk
+    assert scheduler.active == 2 and joining.result is None
+    assert runtime.target.lengths[joining.request.slot] == 8
     joining.cancel()
+    scheduler.step()  # a round
     scheduler.step()
     assert joining.result.finish_reason == "cancelled" and not joining.result.token_ids
-    assert scheduler.active == 0 and not scheduler.busy
+    assert scheduler.active == 1 and running.result is None
 
 
 def test_a_bad_chunk_is_refused(runtime, bundles):

@@ -3,10 +3,10 @@
 Generations wait in FIFO order and join between rounds, each into a free slot; a joining
 prompt runs as calls of its own (prefill), not padded into the round: prompts are hundreds of
 tokens and a round's rows a few, so one long prompt in the batch would pad every row to its
-length. A prompt is fed in chunks of at most `chunk` tokens a step, and while others are
-running, steps alternate between a chunk and a round: a long prompt joining then stalls the
-running generations for one chunk's time at most instead of its whole prefill (chunk None:
-every prompt whole in one step, before the next round). A generation leaves as soon as its
+length. While others are running, a prompt is fed in chunks of at most `chunk` tokens a step,
+and steps alternate between a chunk and a round: a long prompt joining then stalls the running
+generations for one chunk's time at most instead of its whole prefill (chunk None, or nothing
+running: every prompt whole in one step, before the next round). A generation leaves as soon as its
 output ends, freeing its slot for the next. The scheduler knows no HTTP and no threads: the
 API drives it for one request, the server's worker thread for many.
 """
@@ -97,9 +97,10 @@ class Scheduler:
         return ended
 
     def _feed(self) -> list[Generation]:
-        """Up to `chunk` prompt tokens, in FIFO order; a prompt fed whole gets its first
-        token and starts running."""
-        moved, budget = [], self.chunk
+        """Prompt tokens in FIFO order, up to `chunk` while others are running (with none
+        running there is no stall to bound, and every prompt goes whole); a prompt fed whole
+        gets its first token and starts running."""
+        moved, budget = [], self.chunk if self.running else None
         while self.prefilling and (budget is None or budget > 0):
             generation = self.prefilling[0]
             request = generation.request

@@ -171,7 +171,7 @@ def main(
         "kind": "prompt_cache",
         "machine": machine.describe(),
         "command": f"python benchmarks/prompt_cache.py BUNDLE --count {count} "
-        f"--max-new-tokens {max_new_tokens}",
+        f"--max-new-tokens {max_new_tokens}" + (" --llama-cpp DIR" if llama_cpp else ""),
         "bundle": str(bundle),
         "max_new_tokens": max_new_tokens,
         "rows": rows,

@@ -10,7 +10,7 @@ import pytest
 from servers import client, metric_values, serving, wait_healthy
 
 from specrt.runtime import Scheduler, SpeculativeRuntime
-from specrt.runtime.prompt_cache import shared_length, take_slot
+from specrt.runtime.prompt_cache import choose_slot, shared_length, take_slot
 from specrt.serve import ServeSettings
 
 CHAT = [{"role": "user", "content": "Write a function that adds two numbers."}]
@@ -152,3 +152,46 @@ def test_the_server_reports_cached_tokens(bundles, cold):
         cached = replies[1].usage.prompt_tokens_details.cached_tokens
         assert (cached >= want[0].stats.prompt_tokens) if cache else cached == 0
         assert counted == replies[0].usage.prompt_tokens_details.cached_tokens + cached
+
+
+def test_a_request_takes_its_own_slot_else_the_oldest(warm):
+    """Its conversation's slot where it keeps more than it loses; else the slot released
+    longest ago; never a slot that widens the rounds' span."""
+    target = warm.target
+    for slot in range(3):
+        target.reset(slot)
+    conversation_a = list(range(10, 40))
+    target.forward_rows([(0, conversation_a), (1, [10, 11, 99, 98])])
+    follow_up = [*conversation_a, 7, 8]
+    other = [10, 11, 12, 50, 51]  # shares 3 tokens with slot 0, 2 with slot 1
+    released = {0: 2, 1: 1}  # slot 2 never released: the oldest
+    assert choose_slot(target, follow_up, [0, 1, 2], [], released) == 0
+    assert choose_slot(target, other, [0, 1, 2], [], released) == 2
+    assert choose_slot(target, other, [0, 1], [], released) == 1
+    assert choose_slot(target, other, [1, 2], [0], {}) == 1  # slot 2 would leave a gap
+
+
+def test_alternating_conversations_keep_their_slots(cold, bundles):
+    """Two users taking turns through one scheduler: each second turn finds its first turn
+    in the slot it left (the other user took another slot), and every output is the cold
+    runtime's."""
+    rt = SpeculativeRuntime.load(bundles["llama"], calibrate=False, slots=2)
+    scheduler = Scheduler(rt.target, rt.costs, slots=2)
+
+    def turn(prompt):
+        generation = rt.stream(prompt, max_new_tokens=10, ignore_eos=True)
+        scheduler.add(generation)
+        while generation.result is None:
+            scheduler.step()
+        return generation
+
+    first = [turn(rt.encode(p)) for p in ("def fibonacci(n):", "The quick brown fox")]
+    seconds = []
+    for generation in first:
+        prompt = generation.request.prompt
+        seconds.append(turn([*prompt, *generation.result.token_ids, *rt.encode(" and")]))
+    for earlier, later in zip(first, seconds, strict=True):
+        assert later.request.slot == earlier.request.slot
+        assert later.result.stats.cached_tokens == len(earlier.request.seq) - 1
+        want = cold.generate(later.request.prompt, max_new_tokens=10, ignore_eos=True)
+        assert later.result.token_ids == want.token_ids

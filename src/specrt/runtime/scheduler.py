@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from specrt.engines.base import Engine
 from specrt.runtime.costs import StepCosts
 from specrt.runtime.generation import Generation
-from specrt.runtime.speculative import prefill, speculate, start
+from specrt.runtime.prompt_cache import choose_slot
+from specrt.runtime.speculative import Request, prefill, speculate, start
 
 PREFILL_CHUNK = 128  # prompt tokens a step feeds (docs/batching.md: what it costs, what it saves)
 
@@ -49,6 +50,8 @@ class Scheduler:
         self._started: set[Generation] = set()  # of those, the ones whose slot is set up
         self.running: dict[int, Generation] = {}  # by slot
         self._fed_last = False  # the last step fed prompts: a round goes next
+        self._released: dict[int, int] = {}  # slot -> when its last generation ended
+        self._clock = 0
 
     @property
     def active(self) -> int:
@@ -90,11 +93,24 @@ class Scheduler:
                 generation.close(reason)
                 ended.append(generation)
                 continue
-            taken = {g.request.slot for g in self.prefilling} | set(self.running)
-            generation.request.slot = min(set(range(self.slots)) - taken)
+            generation.request.slot = self._free_slot(generation.request)
             generation.begin()
             self.prefilling.append(generation)
         return ended
+
+    def _free_slot(self, request: Request) -> int:
+        """The lowest free slot, or with the prompt cache on, the one that keeps the most for
+        later requests (see prompt_cache.choose_slot)."""
+        active = [g.request.slot for g in self.prefilling] + list(self.running)
+        free = sorted(set(range(self.slots)) - set(active))
+        if not request.reuse_prompt:
+            return free[0]
+        return choose_slot(self.target, request.prompt, free, active, self._released)
+
+    def _release(self, generation: Generation) -> None:
+        """It ended: its slot is free, and the tokens it leaves there are the newest."""
+        self._clock += 1
+        self._released[generation.request.slot] = self._clock
 
     def _feed(self) -> list[Generation]:
         """Prompt tokens in FIFO order, up to `chunk` while others are running (with none
@@ -109,6 +125,7 @@ class Scheduler:
                 self.prefilling.popleft()
                 self._started.discard(generation)
                 generation.close(reason)
+                self._release(generation)
                 moved.append(generation)
                 continue
             if generation not in self._started:  # only now: a prompt fed before it is reused
@@ -130,6 +147,7 @@ class Scheduler:
             moved.append(generation)
             if generation.stopped:
                 generation.close()
+                self._release(generation)
             else:
                 self.running[request.slot] = generation
         return moved
@@ -152,4 +170,5 @@ class Scheduler:
 
     def _leave(self, generation: Generation) -> None:
         generation.close()
+        self._release(generation)
         del self.running[generation.request.slot]

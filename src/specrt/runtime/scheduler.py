@@ -13,6 +13,7 @@ API drives it for one request, the server's worker thread for many.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -47,11 +48,13 @@ class Scheduler:
         self.target, self.costs, self.slots, self.chunk = target, costs, slots, chunk
         self.waiting: deque[Generation] = deque()
         self.prefilling: deque[Generation] = deque()  # in a slot, their prompt partly fed
-        self._started: set[Generation] = set()  # of those, the ones whose slot is set up
+        # The head of `prefilling` once its slot is set up: only the head is fed, and its slot is
+        # set up at its first chunk, so that a prompt fed before it can be reused.
+        self._head: Generation | None = None
         self.running: dict[int, Generation] = {}  # by slot
         self._fed_last = False  # the last step fed prompts: a round goes next
         self._released: dict[int, int] = {}  # slot -> when its last generation ended
-        self._clock = 0
+        self._clock = itertools.count(1)
 
     @property
     def active(self) -> int:
@@ -109,8 +112,7 @@ class Scheduler:
 
     def _release(self, generation: Generation) -> None:
         """It ended: its slot is free, and the tokens it leaves there are the newest."""
-        self._clock += 1
-        self._released[generation.request.slot] = self._clock
+        self._released[generation.request.slot] = next(self._clock)
 
     def _feed(self) -> list[Generation]:
         """Prompt tokens in FIFO order, up to `chunk` while others are running (with none
@@ -123,15 +125,13 @@ class Scheduler:
             reason = generation.interrupted()
             if reason:
                 self.prefilling.popleft()
-                self._started.discard(generation)
                 generation.close(reason)
                 self._release(generation)
                 moved.append(generation)
                 continue
-            if generation not in self._started:  # only now: a prompt fed before it is reused
-                start(request, self.target)
-                generation.stats.cached_tokens = request.cached
-                self._started.add(generation)
+            if generation is not self._head:
+                generation.stats.cached_tokens = start(request, self.target)
+                self._head = generation
             left = len(request.prompt) - self.target.lengths[request.slot]
             take = left if budget is None else min(left, budget)
             started = time.perf_counter()
@@ -141,7 +141,6 @@ class Scheduler:
             if first is None:
                 break
             self.prefilling.popleft()
-            self._started.discard(generation)
             generation.stats.target_calls += 1  # the prefill counts as one, however cut
             generation.absorb([first[0]], logprobs=first[1])
             moved.append(generation)

@@ -55,7 +55,6 @@ class Request:
     constraints: Constraints | None = None  # grammar, logit_bias, penalties: draft and target
     logprobs: int | None = None  # report each token's log-probability and this many best
     reuse_prompt: bool = True  # start from what a slot already holds of the prompt
-    cached: int = 0  # prompt tokens the prefill found in a slot (not computed again)
 
     @property
     def produced(self) -> int:
@@ -87,12 +86,14 @@ class Round:
         return [made] * self.accepted[i] + ["target"]
 
 
-def start(req: Request, target: Engine) -> None:
+def start(req: Request, target: Engine) -> int:
     """Give a request its slot, keeping what a slot already holds of its prompt (see
-    prompt_cache.py; `prefill` feeds the rest), and its drafter the same slot."""
-    req.cached = take_slot(target, req.slot, req.prompt, req.reuse_prompt)
+    prompt_cache.py; `prefill` feeds the rest), and its drafter the same slot. Returns how
+    many prompt tokens were kept."""
+    cached = take_slot(target, req.slot, req.prompt, req.reuse_prompt)
     if req.drafter is not None:
         req.drafter.start(req.prompt, req.slot, req.reuse_prompt)
+    return cached
 
 
 def prefill(

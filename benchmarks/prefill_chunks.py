@@ -38,17 +38,17 @@ def longest_file_prompt() -> list[dict]:
 def scenario(rt: SpeculativeRuntime, chunk: int | None, joining_prompt: list[dict]) -> dict:
     """The streaming request, then the long prompt joining it, stepped to the end."""
     scheduler = Scheduler(rt.target, rt.costs, slots=2, chunk=chunk)
-    streaming = rt.stream(CHAT, max_new_tokens=STREAMED, ignore_eos=True)
+    streaming = rt.sequence(CHAT, max_new_tokens=STREAMED, ignore_eos=True)
     scheduler.add(streaming)
-    while len(streaming.stops.tokens) < JOIN_AFTER:
+    while streaming.stops.length < JOIN_AFTER:
         scheduler.step()
-    joining = rt.stream(joining_prompt, max_new_tokens=JOINING, ignore_eos=True)
+    joining = rt.sequence(joining_prompt, max_new_tokens=JOINING, ignore_eos=True)
     scheduler.add(joining)
     joined = time.perf_counter()
     first = None
     while streaming.result is None or joining.result is None:
         scheduler.step()
-        if first is None and joining.stops.tokens:
+        if first is None and joining.stops.length:
             first = time.perf_counter() - joined
     return {
         "chunk": chunk or 0,

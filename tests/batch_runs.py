@@ -10,7 +10,7 @@ def alone_and_together(runtime: SpeculativeRuntime, requests, slots: int):
     (joining and leaving between rounds): the token ids both ways, and the round sizes seen."""
     alone = [runtime.generate(p, **o).token_ids for p, o in requests]
     scheduler = Scheduler(runtime.target, runtime.costs, slots=slots)
-    generations = [runtime.stream(p, **o) for p, o in requests]
+    generations = [runtime.sequence(p, **o) for p, o in requests]
     for generation in generations:
         scheduler.add(generation)
     sizes = set()

@@ -37,7 +37,9 @@ from specrt.runtime.drafters import ConstrainedDrafter, ModelDrafter, NgramDraft
 from specrt.runtime.grammar import Grammars, Structure
 from specrt.runtime.prediction import PredictionDrafter
 from specrt.runtime.sampling import SamplingParams, probabilities
-from specrt.runtime.speculative import Request, prefill, speculate, start
+from specrt.runtime.sequence import Sequence
+from specrt.runtime.speculative import prefill, speculate, start
+from specrt.runtime.stops import StopRules
 from specrt.runtime.text import TextTokenizer
 from specrt.sources import Source
 
@@ -111,6 +113,15 @@ def exact_distribution(target: OrtEngine, params: SamplingParams, process=None) 
     return joint.ravel()
 
 
+def _sequence(prompt, params, new, rng, policy, drafter, slot, constraints=None) -> Sequence:
+    """A sequence in its slot, driven round by round below the scheduler (no text: no
+    tokenizer for its stop rules)."""
+    stops = StopRules(None, (), frozenset(), new)
+    sequence = Sequence(prompt, params, rng, stops, policy=policy, drafter=drafter)
+    sequence.constraints, sequence.slot = constraints, slot
+    return sequence
+
+
 def sample_counts(
     drafter, target, params, controller_factory, seed=0, neighbour=None, constrain=None
 ):
@@ -126,8 +137,7 @@ def sample_counts(
     for _ in range(SAMPLES):
         constraints = constrain() if constrain else None
         source = ConstrainedDrafter(drafter, constraints) if constraints else drafter
-        request = Request(PROMPT, params, NEW, rng, controller_factory(), source, slot=1)
-        request.constraints = constraints
+        request = _sequence(PROMPT, params, NEW, rng, controller_factory(), source, 1, constraints)
         batch = [request] if neighbour is None else [neighbour(rng), request]
         for r in batch:
             start(r, target)
@@ -137,7 +147,7 @@ def sample_counts(
             if request in live:
                 drafted += step.drafted[live.index(request)]
                 accepted += step.accepted[live.index(request)]
-        counts[int(np.dot(request.seq[len(PROMPT) :][:NEW], weights))] += 1
+        counts[int(np.dot(request.tokens[len(PROMPT) :][:NEW], weights))] += 1
     return counts, accepted / drafted
 
 
@@ -269,7 +279,7 @@ def test_a_request_sampled_inside_a_batch_keeps_the_target_distribution(engines)
 
     def neighbour(rng):
         other = SamplingParams(temperature=0.7)
-        return Request([2, 6, 2, 6], other, 6, rng, Fixed(1), NgramDrafter(min_n=1), slot=0)
+        return _sequence([2, 6, 2, 6], other, 6, rng, Fixed(1), NgramDrafter(min_n=1), 0)
 
     counts, _ = sample_counts(
         ModelDrafter(engines["good"]),

@@ -202,7 +202,7 @@ def test_requests_with_and_without_predictions_share_a_batch(bundles):
     predictions = [alone[0].text, None, PREDICTIONS["edited"](alone[2].text)]
     scheduler = Scheduler(rt.target, rt.costs, 3)
     generations = [
-        rt.stream(p, max_new_tokens=NEW, ignore_eos=True, prediction=pred)
+        rt.sequence(p, max_new_tokens=NEW, ignore_eos=True, prediction=pred)
         for p, pred in zip(prompts, predictions, strict=True)
     ]
     for generation in generations:

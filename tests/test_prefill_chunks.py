@@ -27,7 +27,7 @@ def test_chunked_prompts_give_each_output_alone(runtime, chunk):
     pairs = list(zip(prompts, budgets, strict=True))
     alone = [runtime.generate(p, max_new_tokens=n, ignore_eos=True).token_ids for p, n in pairs]
     scheduler = Scheduler(runtime.target, runtime.costs, slots=2, chunk=chunk)
-    generations = [runtime.stream(p, max_new_tokens=n, ignore_eos=True) for p, n in pairs]
+    generations = [runtime.sequence(p, max_new_tokens=n, ignore_eos=True) for p, n in pairs]
     for generation in generations:
         scheduler.add(generation)
     while any(g.result is None for g in generations):
@@ -41,51 +41,51 @@ def test_a_long_prompt_joins_a_chunk_at_a_time_between_rounds(runtime):
     """While the long prompt is fed in 8-token chunks, the running request gets a round after
     every chunk, so its tokens keep coming (one chunk's stall at most)."""
     scheduler = Scheduler(runtime.target, runtime.costs, slots=2, chunk=8)
-    running = runtime.stream(SHORT, max_new_tokens=40, ignore_eos=True, speculate=False)
+    running = runtime.sequence(SHORT, max_new_tokens=40, ignore_eos=True, speculate=False)
     scheduler.add(running)
     scheduler.step()  # its prefill
-    joining = runtime.stream(LONG, max_new_tokens=4, ignore_eos=True, speculate=False)
+    joining = runtime.sequence(LONG, max_new_tokens=4, ignore_eos=True, speculate=False)
     scheduler.add(joining)
-    before, batches = len(running.stops.tokens), []
-    while not joining.stops.tokens:
+    before, batches = running.stops.length, []
+    while not joining.stops.length:
         batches.append(scheduler.step().batch)
     chunks = -(-len(LONG) // 8)
     assert batches == [1, 0] * chunks  # the prefill step went last, so a round comes first
-    assert len(running.stops.tokens) - before == chunks
+    assert running.stops.length - before == chunks
 
 
 def test_without_chunks_a_prompt_is_fed_whole_before_the_next_round(runtime):
     scheduler = Scheduler(runtime.target, runtime.costs, slots=2, chunk=None)
-    running = runtime.stream(SHORT, max_new_tokens=40, ignore_eos=True, speculate=False)
+    running = runtime.sequence(SHORT, max_new_tokens=40, ignore_eos=True, speculate=False)
     scheduler.add(running)
     scheduler.step()
-    joining = runtime.stream(LONG, max_new_tokens=4, ignore_eos=True, speculate=False)
+    joining = runtime.sequence(LONG, max_new_tokens=4, ignore_eos=True, speculate=False)
     scheduler.add(joining)
     assert scheduler.step().batch == 1  # the running request's turn: the last step fed
-    assert scheduler.step().batch == 0 and len(joining.stops.tokens) == 1
+    assert scheduler.step().batch == 0 and joining.stops.length == 1
 
 
 def test_with_nothing_running_prompts_are_fed_whole(runtime):
     """Chunks bound the stall of running requests: with none, every prompt goes at once."""
     scheduler = Scheduler(runtime.target, runtime.costs, slots=2, chunk=8)
-    generations = [runtime.stream(p, max_new_tokens=4) for p in (LONG, LONG[::-1])]
+    generations = [runtime.sequence(p, max_new_tokens=4) for p in (LONG, LONG[::-1])]
     for generation in generations:
         scheduler.add(generation)
     assert scheduler.step().batch == 0
-    assert all(len(g.stops.tokens) == 1 for g in generations)
+    assert all(g.stops.length == 1 for g in generations)
 
 
 def test_a_request_cancelled_mid_prompt_leaves_its_slot(runtime):
     scheduler = Scheduler(runtime.target, runtime.costs, slots=2, chunk=8)
-    running = runtime.stream(SHORT, max_new_tokens=40, ignore_eos=True)
+    running = runtime.sequence(SHORT, max_new_tokens=40, ignore_eos=True)
     scheduler.add(running)
     scheduler.step()
-    joining = runtime.stream(LONG, max_new_tokens=4)
+    joining = runtime.sequence(LONG, max_new_tokens=4)
     scheduler.add(joining)
     scheduler.step()  # a round
     scheduler.step()  # the first chunk
     assert scheduler.active == 2 and joining.result is None
-    assert runtime.target.lengths[joining.request.slot] == 8
+    assert runtime.target.lengths[joining.slot] == 8
     joining.cancel()
     scheduler.step()  # a round
     scheduler.step()

@@ -119,7 +119,7 @@ def test_choices_of_one_prompt_share_its_prefill(cold, warm):
     for slot in range(3):
         warm.target.reset(slot)
     scheduler = Scheduler(warm.target, warm.costs, slots=3)
-    runs = [warm.stream(CHAT, max_new_tokens=16 + s) for s in range(3)]
+    runs = [warm.sequence(CHAT, max_new_tokens=16 + s) for s in range(3)]
     for generation in runs:
         scheduler.add(generation)
     while any(g.result is None for g in runs):
@@ -179,7 +179,7 @@ def test_alternating_conversations_keep_their_slots(cold, bundles):
     scheduler = Scheduler(rt.target, rt.costs, slots=2)
 
     def turn(prompt):
-        generation = rt.stream(prompt, max_new_tokens=10, ignore_eos=True)
+        generation = rt.sequence(prompt, max_new_tokens=10, ignore_eos=True)
         scheduler.add(generation)
         while generation.result is None:
             scheduler.step()
@@ -188,10 +188,10 @@ def test_alternating_conversations_keep_their_slots(cold, bundles):
     first = [turn(rt.encode(p)) for p in ("def fibonacci(n):", "The quick brown fox")]
     seconds = []
     for generation in first:
-        prompt = generation.request.prompt
+        prompt = generation.prompt
         seconds.append(turn([*prompt, *generation.result.token_ids, *rt.encode(" and")]))
     for earlier, later in zip(first, seconds, strict=True):
-        assert later.request.slot == earlier.request.slot
-        assert later.result.stats.cached_tokens == len(earlier.request.seq) - 1
-        want = cold.generate(later.request.prompt, max_new_tokens=10, ignore_eos=True)
+        assert later.slot == earlier.slot
+        assert later.result.stats.cached_tokens == len(earlier.tokens) - 1
+        want = cold.generate(later.prompt, max_new_tokens=10, ignore_eos=True)
         assert later.result.token_ids == want.token_ids

@@ -20,9 +20,10 @@ from servers import client, free_port, http, metric_values, serving, wait_health
 from specrt.exporter.build import build_bundle
 from specrt.runtime import SpeculativeRuntime
 from specrt.serve import ServeSettings
+from specrt.serve.events import Done, Failed
 from specrt.serve.protocol import CompletionRequest
-from specrt.serve.service import JobStream, LocalService
-from specrt.serve.worker import Done, Failed, Job
+from specrt.serve.service import LocalService
+from specrt.serve.worker import Job
 
 CONTEXT = 1024  # room for generations long enough to cancel in the middle
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "import numpy as np\n"]
@@ -432,11 +433,11 @@ def test_a_request_queued_past_its_deadline_gets_a_504(bundle, reference, long_s
 
     async def scenario() -> None:
         server.start()
-        ahead = Job(reference.stream(PROMPTS[0], max_new_tokens=900, ignore_eos=True))
+        ahead = Job(reference.sequence(PROMPTS[0], max_new_tokens=900, ignore_eos=True))
         server.worker.submit(ahead)
-        queued = Job(server.generation(CompletionRequest(prompt="x", max_tokens=2)))
+        queued = Job(server.sequence(CompletionRequest(prompt="x", max_tokens=2)))
         server.worker.submit(queued)
-        event = await JobStream(queued, server.worker, server.metrics, settings.timeout).next()
+        event = await queued.next()
         assert isinstance(event, Failed) and event.error.status == 504
         assert server.worker.depth == 0
         ahead.cancel()
@@ -575,10 +576,10 @@ def test_a_queued_request_joins_the_running_batch(bundle, batched):
 
     async def scenario():
         server.start()
-        long = Job(batched.stream(PROMPTS[0], max_new_tokens=300, ignore_eos=True))
+        long = Job(batched.sequence(PROMPTS[0], max_new_tokens=300, ignore_eos=True))
         server.worker.submit(long)
         await long.events.get()  # the long one is running
-        short = Job(batched.stream(PROMPTS[1], max_new_tokens=20, ignore_eos=True))
+        short = Job(batched.sequence(PROMPTS[1], max_new_tokens=20, ignore_eos=True))
         server.worker.submit(short)
         event = await short.events.get()
         while not isinstance(event, Done):

@@ -31,7 +31,7 @@ from specrt.files import write_bytes_atomic, write_json_atomic
 from specrt.quality import recorded_quality
 from specrt.runtime import SpeculativeRuntime
 from specrt.runtime.costs import measure_costs
-from specrt.runtime.generation import per_token_latencies
+from specrt.runtime.sequence import per_token_latencies
 from specrt.runtime.text import TextTokenizer
 
 FIXED_KS = (1, 2, 4, 6, 8)

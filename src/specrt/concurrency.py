@@ -38,8 +38,9 @@ from specrt.bench import (
 )
 from specrt.bundle import Bundle
 from specrt.errors import SpecrtError
-from specrt.runtime import Generation, Scheduler, SpeculativeRuntime
-from specrt.runtime.generation import per_token_latencies
+from specrt.runtime import Scheduler, SpeculativeRuntime
+from specrt.runtime import Sequence as Running
+from specrt.runtime.sequence import per_token_latencies
 
 Log = Callable[[str], None]
 LLAMA = "llama.cpp"  # the bundle label of llama-server's rows
@@ -115,14 +116,14 @@ def run_level(
     scheduler = Scheduler(rt.target, rt.costs, concurrency, rt.prefill_chunk)
     count = max(4, 2 * concurrency)
     todo = deque((i % len(prompts)) for i in range(count))
-    sent: dict[Generation, tuple[int, float]] = {}
-    first: dict[Generation, float] = {}
+    sent: dict[Running, tuple[int, float]] = {}
+    first: dict[Running, float] = {}
     done: list[Served] = []
     start = time.perf_counter()
     while todo or scheduler.busy:
         while todo and scheduler.has_room:
             index = todo.popleft()
-            generation = rt.stream(
+            generation = rt.sequence(
                 prompts[index], max_new_tokens=max_new_tokens, ignore_eos=True, **options
             )
             scheduler.add(generation)
@@ -130,7 +131,7 @@ def run_level(
         step = scheduler.step()
         now = time.perf_counter()
         for generation in step.moved:
-            if generation.stops.tokens:
+            if generation.stops.length:
                 first.setdefault(generation, now)
             if generation.result is not None:
                 index, at = sent[generation]

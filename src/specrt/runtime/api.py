@@ -6,13 +6,13 @@
         print(delta, end="")
 
 A generation iterated here is served alone (a batch of one, in slot 0); a server batches many
-through `Scheduler` over the same engines (`SpeculativeRuntime.load(..., slots=N)`).
+`sequence`s through one `Scheduler` over the same engines (`SpeculativeRuntime.load(...,
+slots=N)`).
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator, Sequence
+import collections.abc as cabc
 from pathlib import Path
 
 import numpy as np
@@ -25,17 +25,17 @@ from specrt.runtime.constraints import Constraints
 from specrt.runtime.controller import PooledAcceptance, make_controller
 from specrt.runtime.costs import StepCosts, measure_costs
 from specrt.runtime.drafters import ConstrainedDrafter, make_drafter
-from specrt.runtime.generation import Generation, Result
+from specrt.runtime.generation import Generation
 from specrt.runtime.grammar import Grammars, Structure
 from specrt.runtime.logprobs import check_top
 from specrt.runtime.prediction import PredictionDrafter
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.scheduler import PREFILL_CHUNK, Scheduler
-from specrt.runtime.speculative import Request
+from specrt.runtime.sequence import Result, Sequence
 from specrt.runtime.stops import StopRules
 from specrt.runtime.text import TextTokenizer
 
-Prompt = str | Sequence[dict] | Sequence[int]
+Prompt = str | cabc.Sequence[dict] | cabc.Sequence[int]
 
 
 class SpeculativeRuntime:
@@ -122,7 +122,7 @@ class SpeculativeRuntime:
             runtime.calibrate()
         return runtime
 
-    def encode(self, prompt: Prompt, tools: Sequence[dict] | None = None) -> list[int]:
+    def encode(self, prompt: Prompt, tools: cabc.Sequence[dict] | None = None) -> list[int]:
         """Token ids for a prompt (see TextTokenizer.encode_prompt; tools, in OpenAI's form, go
         to the chat template), checked against the context."""
         ids = self.tokenizer.encode_prompt(prompt, tools)
@@ -137,7 +137,15 @@ class SpeculativeRuntime:
             )
         return ids
 
-    def stream(
+    def stream(self, prompt: Prompt, **options) -> Generation:
+        """Start a request; iterate the result for text deltas, then read `.result`.
+
+        Takes `sequence`'s options. Safe to call from any thread (it tokenizes and validates;
+        no engine runs until the result is iterated, alone, in slot 0)."""
+        alone = Scheduler(self.target, self.costs, chunk=None)
+        return Generation(self.sequence(prompt, **options), alone)
+
+    def sequence(
         self,
         prompt: Prompt,
         *,
@@ -146,7 +154,7 @@ class SpeculativeRuntime:
         top_k: int = 0,
         top_p: float = 1.0,
         seed: int | None = None,
-        stop: Sequence[str] = (),
+        stop: cabc.Sequence[str] = (),
         controller=None,
         speculate: bool = True,
         drafter: str | None = None,
@@ -161,18 +169,18 @@ class SpeculativeRuntime:
         presence_penalty: float = 0.0,
         frequency_penalty: float = 0.0,
         logprobs: int | None = None,
-    ) -> Generation:
-        """Start a request; iterate the result for text deltas, then read `.result`.
+    ) -> Sequence:
+        """A request as one `Sequence`, validated, for a scheduler to run (`stream` runs it
+        alone; a server's worker adds it to its batch).
 
-        Safe to call from any thread (it tokenizes and validates; no engine runs until the
-        result is iterated). controller is a spec (`fixed:K`, `heuristic`, `adaptive`) or a
-        policy object of one's own; drafter is `model`, `ngram`, `hybrid` (default: the
-        runtime's) or a drafter object of one's own; speculate=False runs the target alone;
-        min_draft/max_draft bound the K a spec may choose (K_max caps max_draft); ignore_eos
-        generates exactly max_new_tokens (what benchmarks need); timeout, in seconds from now,
-        ends the generation after the round in flight (finish "timeout"); prediction is text
-        the output is expected to mostly repeat (OpenAI's Predicted Outputs), drafted for free
-        where the output follows it, by the drafter elsewhere.
+        controller is a spec (`fixed:K`, `heuristic`, `adaptive`) or a policy object of one's
+        own; drafter is `model`, `ngram`, `hybrid` (default: the runtime's) or a drafter object
+        of one's own; speculate=False runs the target alone; min_draft/max_draft bound the K a
+        spec may choose (K_max caps max_draft); ignore_eos generates exactly max_new_tokens
+        (what benchmarks need); timeout, in seconds from now, ends the generation after the
+        round in flight (finish "timeout"); prediction is text the output is expected to mostly
+        repeat (OpenAI's Predicted Outputs), drafted for free where the output follows it, by
+        the drafter elsewhere.
 
         structure constrains the output (`Structure("json_schema", schema)`, a regex, a Lark
         grammar, choices): the target decodes from its masked distribution, the draft drafts
@@ -186,19 +194,7 @@ class SpeculativeRuntime:
                 f"max_new_tokens must be >= 1, got {max_new_tokens}", param="max_new_tokens"
             )
         params = SamplingParams(temperature, top_k, top_p)
-        bounds = None
-        if min_draft is not None or max_draft is not None:
-            bounds = (min_draft or 0, self.bundle.max_draft if max_draft is None else max_draft)
-        spec = controller or self.controller
-        bundle = self.bundle
-        policy = make_controller(
-            spec,
-            bundle.max_draft,
-            self.costs,
-            bounds=bounds,
-            k_lookup=bundle.max_lookup,
-            pool=self.acceptance,
-        )
+        policy = self._policy(controller, min_draft, max_draft)
         ids = self.target.vocab_size
         source = make_drafter(drafter or self.drafter, self.draft, ids) if speculate else None
         if prediction is not None:
@@ -224,13 +220,37 @@ class SpeculativeRuntime:
         if source is not None and structure is not None:
             source = ConstrainedDrafter(source, constraints)
         rng = np.random.default_rng(seed)
-        request = Request(self.encode(prompt), params, max_new_tokens, rng, policy, source)
-        request.constraints, request.logprobs = constraints, check_top(logprobs)
-        request.reuse_prompt = self.prompt_cache
+        ids = self.encode(prompt)
+        top = check_top(logprobs)
         eos = frozenset() if ignore_eos else self.eos_token_ids
         stops = StopRules(self.tokenizer, stop, eos, max_new_tokens)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        return Generation(self, request, stops, deadline)
+        return Sequence(
+            ids,
+            params,
+            rng,
+            stops,
+            policy=policy,
+            drafter=source,
+            constraints=constraints,
+            logprobs=top,
+            reuse_prompt=self.prompt_cache,
+            timeout=timeout,
+        )
+
+    def _policy(self, controller, min_draft: int | None, max_draft: int | None):
+        """The request's K policy: its spec (or the runtime's) within its bounds."""
+        bounds = None
+        if min_draft is not None or max_draft is not None:
+            bounds = (min_draft or 0, self.bundle.max_draft if max_draft is None else max_draft)
+        bundle = self.bundle
+        return make_controller(
+            controller or self.controller,
+            bundle.max_draft,
+            self.costs,
+            bounds=bounds,
+            k_lookup=bundle.max_lookup,
+            pool=self.acceptance,
+        )
 
     def _predicted(self, prediction, fallback) -> PredictionDrafter:
         """A drafter of the prediction's text, the request's own drafter where it has nothing."""
@@ -248,17 +268,6 @@ class SpeculativeRuntime:
                 code="context_length_exceeded",
             )
         return drafter
-
-    def serve_alone(self, generation: Generation) -> Iterator[str]:
-        """Run one generation to its end (a batch of one, in slot 0, its prompt whole: nothing
-        runs beside it), yielding its text."""
-        scheduler = Scheduler(self.target, self.costs, chunk=None)
-        scheduler.add(generation)
-        while generation.result is None:
-            scheduler.step()
-            delta = generation.take()
-            if delta:
-                yield delta
 
     def generate(self, prompt: Prompt, **options) -> Result:
         generation = self.stream(prompt, **options)

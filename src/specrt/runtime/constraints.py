@@ -4,9 +4,11 @@ A grammar's mask, OpenAI's logit_bias and its presence and frequency penalties a
 logits a token is drawn from, and each depends on what came before: the grammar on every token
 so far, the penalties on how often each output token occurred. Speculation scores positions
 the output has not reached: draft step j comes after j drafted tokens, and verify row i after
-the first i drafts. So `Constraints` is a cursor over the output: it stands after the emitted
-tokens, walks over drafts (`advance`), processes the logits of the position it stands at
-(`apply`), and steps back to where the round's accepted tokens end (`rollback_to`). Every row,
+the first i drafts. So `Constraints` is the request's one cursor over its output (the grammar
+keeps no position of its own): it stands after the emitted tokens, walks over drafts
+(`advance`), processes the logits of the position it stands at (`apply`), and steps back to
+where the round's accepted tokens end (`close_round`). The output itself lives on the
+`Sequence`; the cursor keeps only counts and the drafts of the round in flight. Every row,
 draft or target, is processed at its own position, so the target's distribution at each
 position is exactly its constrained distribution alone, and rejection sampling over processed
 rows keeps it.
@@ -53,12 +55,12 @@ class Constraints:
         self.bias = _bias(logit_bias or {}, vocab)
         self.presence, self.frequency = presence_penalty, frequency_penalty
         self.eos, self.jump_forward = eos, jump_forward
-        self.tokens: list[int] = []  # the output up to the cursor
+        self.position = 0  # the cursor: output tokens walked (the grammar stands here too)
+        self.base = 0  # where the last round ended: the output walked for good
+        # Tokens walked past base this round (drafts), kept past a rollback while they may be
+        # walked again: the grammar's masks along them serve the verify rows.
+        self.path: list[int] = []
         self.counts: Counter[int] = Counter()
-
-    @property
-    def position(self) -> int:
-        return len(self.tokens)
 
     def apply(self, logits: np.ndarray) -> np.ndarray:
         """The logits of the position the cursor stands at, processed (a new array). A draft's
@@ -76,7 +78,7 @@ class Constraints:
             keep = ids < width
             out[ids[keep]] -= self.frequency * counts[keep] + self.presence
         if self.grammar is not None:
-            out[~self.grammar.allowed()[:width]] = -np.inf
+            out[~self.grammar.allowed(self.position)[:width]] = -np.inf
         return out
 
     def apply_rows(self, rows: np.ndarray, drafts: Sequence[int]) -> np.ndarray:
@@ -94,28 +96,37 @@ class Constraints:
         for token in tokens:
             if token in self.eos:
                 return
+            i = self.position - self.base
+            if i >= len(self.path) or self.path[i] != token:
+                del self.path[i:]  # a new path: what was walked past here is not its
+                self.path.append(token)
+                if self.grammar is not None:
+                    self.grammar.forget_after(self.position)
             if self.grammar is not None:
-                self.grammar.advance([token])
-            self.tokens.append(token)
+                self.grammar.consume(token)
+            self.position += 1
             self.counts[token] += 1
 
     def rollback_to(self, position: int) -> None:
-        """Step back to position (the output's length there)."""
-        for token in self.tokens[position:]:
+        """Step back to position (the output's length there; not before this round's start).
+        The path walked past it is remembered."""
+        for token in self.path[position - self.base : self.position - self.base]:
             self.counts[token] -= 1
             if not self.counts[token]:
                 del self.counts[token]
-        del self.tokens[position:]
-        if self.grammar is not None:
-            self.grammar.rollback_to(position)
+        if self.grammar is not None and position < self.position:
+            self.grammar.rollback(self.position - position)
+        self.position = min(self.position, position)
 
-    def close_round(self, base: int, kept: Sequence[int]) -> None:
-        """A round ends with `kept` emitted after position base: the cursor stands after them,
-        and the grammar forgets what lies behind."""
-        self.rollback_to(base)
+    def close_round(self, kept: Sequence[int]) -> None:
+        """A round ends with `kept` emitted after the last: the cursor stands after them, and
+        the grammar forgets what lies behind."""
+        self.rollback_to(self.base)
         self.advance(kept)
+        del self.path[: self.position - self.base]
+        self.base = self.position
         if self.grammar is not None:
-            self.grammar.settle()
+            self.grammar.settle(self.position)
 
     def allows(self, tokens: Sequence[int]) -> int:
         """How many of tokens, in order, may follow the cursor."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -48,6 +49,15 @@ class RoundContext:
 class Decision:
     k: int
     reason: str
+
+
+class Policy(Protocol):
+    """What picks one request's K: a decision a round, then what that round accepted."""
+
+    confidence_threshold: float  # its draft stops where the draft's top probability is below
+
+    def decide(self, ctx: RoundContext) -> Decision: ...
+    def observe(self, k: int, accepted: int) -> None: ...
 
 
 class Fixed:

@@ -163,47 +163,43 @@ def _subschemas(schema: dict, path: str = "#") -> Iterator[tuple[str, dict]]:
 
 
 class Grammar:
-    """One request's matcher and where it stands: `position` output tokens consumed. Masks are
-    kept for the positions of the path walked until the walk leaves that path, so drafting and
-    then verifying the same tokens computes each mask once."""
+    """One request's matcher. Its position is the caller's (`Constraints`' cursor): masks are
+    kept by position for the path walked until the walk leaves that path (`forget_after`), so
+    drafting and then verifying the same tokens computes each mask once."""
 
     def __init__(self, matcher, vocab: int):
         self.matcher, self.vocab = matcher, vocab
-        self.position = 0
-        self._path: list[int] = []  # the tokens of the path walked, possibly past position
         self._masks: dict[int, np.ndarray] = {}  # allowed tokens at positions on the path
         self._bits = _llguidance().numpy.allocate_token_bitmask(1, vocab)
 
-    def allowed(self) -> np.ndarray:
-        """Which tokens may come next (bool, one per logit); EOS where the grammar may end."""
-        mask = self._masks.get(self.position)
+    def allowed(self, position: int) -> np.ndarray:
+        """Which tokens may come next at position, where the matcher stands (bool, one per
+        logit); EOS where the grammar may end."""
+        mask = self._masks.get(position)
         if mask is None:
             _llguidance().numpy.fill_next_token_bitmask(self.matcher, self._bits, 0)
             bits = np.unpackbits(self._bits[0].view(np.uint8), bitorder="little")
             mask = bits[: self.vocab].view(bool)
-            self._masks[self.position] = mask
+            self._masks[position] = mask
         return mask
 
-    def advance(self, tokens: Sequence[int]) -> None:
-        """Consume tokens the grammar allows (a caller checks with `accepts` or the mask)."""
-        for token in tokens:
-            if self.position >= len(self._path) or self._path[self.position] != token:
-                del self._path[self.position :]  # a new path: the masks past here are not its
-                self._masks = {p: m for p, m in self._masks.items() if p <= self.position}
-                self._path.append(token)
-            if not self.matcher.consume_token(token):
-                raise SpecrtError(f"the grammar refused token {token}: {self.matcher.get_error()}")
-            self.position += 1
+    def consume(self, token: int) -> None:
+        """Take a token the grammar allows (a caller checks with `accepts` or the mask)."""
+        if not self.matcher.consume_token(token):
+            raise SpecrtError(f"the grammar refused token {token}: {self.matcher.get_error()}")
 
-    def rollback_to(self, position: int) -> None:
-        """Stand at an earlier position; the path walked past it is remembered."""
-        if position < self.position:
-            self.matcher.rollback(self.position - position)
-            self.position = position
+    def forget_after(self, position: int) -> None:
+        """The walk leaves the path at position: the masks past it are not the new path's."""
+        self._masks = {p: m for p, m in self._masks.items() if p <= position}
 
-    def settle(self) -> None:
-        """The output up to here is final: forget the masks before it."""
-        self._masks = {p: m for p, m in self._masks.items() if p >= self.position}
+    def rollback(self, count: int) -> None:
+        """Undo the last count tokens consumed."""
+        if count:
+            self.matcher.rollback(count)
+
+    def settle(self, position: int) -> None:
+        """The output up to position is final: forget the masks before it."""
+        self._masks = {p: m for p, m in self._masks.items() if p >= position}
 
     def accepts(self, tokens: Sequence[int]) -> int:
         """How many of tokens, in order, the grammar allows from here."""

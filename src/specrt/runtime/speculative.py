@@ -1,13 +1,13 @@
 """The speculative round for a batch: draft K per request, verify every request in one target
 call, accept per request, roll each back to its own length.
 
-Invariant between rounds, per request: `seq` holds the prompt and every emitted token; the
-target's slot holds all of seq but the last token (which the next verify call feeds first); a
-drafter with a cache (the draft model) holds a prefix of seq and catches up on the rest before
-drafting. After n of a request's K drafts survive, its target slot keeps exactly seq + those n
-tokens and no drafter keeps a token that was not emitted. Requests in one round share nothing
-but the calls: each has its own K (within what the policies decide together), sampling
-parameters, random stream and drafter, and its rows never see another's (per-row cache
+Invariant between rounds, per request (a `Sequence`): `tokens` holds the prompt and every
+emitted token; the target's slot holds all of them but the last (which the next verify call
+feeds first); a drafter with a cache (the draft model) holds a prefix of them and catches up on
+the rest before drafting. After n of a request's K drafts survive, its target slot keeps exactly
+its tokens + those n, and no drafter keeps a token that was not emitted. Requests in one round
+share nothing but the calls: each has its own K (within what the policies decide together),
+sampling parameters, random stream and drafter, and its rows never see another's (per-row cache
 positions), so its output is what it would be alone. Timing stays here only as far as the cost
 model needs it; stopping, text and statistics belong to the caller.
 """
@@ -15,17 +15,13 @@ model needs it; stopping, text and statistics belong to the caller.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-
-import numpy as np
+from dataclasses import dataclass
 
 from specrt.engines.base import Engine
 from specrt.runtime.acceptance import verify_greedy, verify_sampled
-from specrt.runtime.constraints import Constraints
 from specrt.runtime.controller import Decision, RoundContext, decide_round
 from specrt.runtime.costs import StepCosts
 from specrt.runtime.drafters import (
-    Drafter,
     DraftJob,
     Offer,
     Proposal,
@@ -35,35 +31,9 @@ from specrt.runtime.drafters import (
 )
 from specrt.runtime.logprobs import TokenLogprob, token_logprobs
 from specrt.runtime.prompt_cache import take_slot
-from specrt.runtime.sampling import SamplingParams
+from specrt.runtime.sequence import Sequence
 
 NONE = Offer("none", 0)  # a request without a drafter: the target alone
-
-
-@dataclass
-class Request:
-    """What one request asked for, and where its sequence stands."""
-
-    prompt: list[int]
-    params: SamplingParams
-    max_new_tokens: int
-    rng: np.random.Generator
-    policy: object  # a controller (see controller.py): its K each round, its acceptance
-    drafter: Drafter | None  # None: the target alone
-    slot: int = 0  # its row in the engines' caches
-    seq: list[int] = field(default_factory=list)
-    constraints: Constraints | None = None  # grammar, logit_bias, penalties: draft and target
-    logprobs: int | None = None  # report each token's log-probability and this many best
-    reuse_prompt: bool = True  # start from what a slot already holds of the prompt
-
-    @property
-    def produced(self) -> int:
-        return len(self.seq) - len(self.prompt)
-
-    def room(self, capacity: int) -> int:
-        """Drafts it can take now: K + 1 tokens go to the target, whose cache holds all of seq
-        but one; negative once the budget or the context is spent."""
-        return min(self.max_new_tokens - self.produced - 1, capacity - len(self.seq))
 
 
 @dataclass
@@ -86,7 +56,7 @@ class Round:
         return [made] * self.accepted[i] + ["target"]
 
 
-def start(req: Request, target: Engine) -> int:
+def start(req: Sequence, target: Engine) -> int:
     """Give a request its slot, keeping what a slot already holds of its prompt (see
     prompt_cache.py; `prefill` feeds the rest), and its drafter the same slot. Returns how
     many prompt tokens were kept."""
@@ -97,7 +67,7 @@ def start(req: Request, target: Engine) -> int:
 
 
 def prefill(
-    req: Request, target: Engine, chunk: int | None = None
+    req: Sequence, target: Engine, chunk: int | None = None
 ) -> tuple[int, list[TokenLogprob]] | None:
     """Feed the next `chunk` tokens of a started request's prompt (default: all that are left)
     in a call of its own. Once the last is in, draw the first token from its logits and return
@@ -111,46 +81,45 @@ def prefill(
         logits = req.constraints.apply_rows(logits, [])
     first, _, _ = draw(logits[0], req.params, req.rng, threshold=0.0)
     if req.constraints is not None:
-        req.constraints.close_round(0, [first])
-    req.seq = [*req.prompt, first]
+        req.constraints.close_round([first])
+    req.tokens.append(first)
     return first, _logprobs(req, logits, [first])
 
 
-def speculate(reqs: list[Request], target: Engine, costs: StepCosts) -> Round:
+def speculate(reqs: list[Sequence], target: Engine, costs: StepCosts) -> Round:
     """One round for every request given (each must have room >= 0)."""
     t0 = time.perf_counter()
     rooms = [r.room(target.capacity) for r in reqs]
     offers = [
-        r.drafter.offer(r.seq, room) if r.drafter else NONE
+        r.drafter.offer(r.tokens, room) if r.drafter else NONE
         for r, room in zip(reqs, rooms, strict=True)
     ]
     contexts = [
-        RoundContext(o.available, len(r.seq), o.source, o.lag, max(1, room + 1 - o.free_ahead))
+        RoundContext(o.available, len(r.tokens), o.source, o.lag, max(1, room + 1 - o.free_ahead))
         for r, o, room in zip(reqs, offers, rooms, strict=True)
     ]
     decisions = decide_round([r.policy for r in reqs], contexts, costs)
     proposals, steps = _propose(reqs, offers, decisions, rooms)
     t1 = time.perf_counter()
     logits = target.forward_rows(
-        [(r.slot, [r.seq[-1], *p.tokens]) for r, p in _pairs(reqs, proposals)]
+        [(r.slot, [r.tokens[-1], *p.tokens]) for r, p in _pairs(reqs, proposals)]
     )
     t2 = time.perf_counter()
     accepted, emitted, logprobs = [], [], []
     for r, p, scores in zip(reqs, proposals, logits, strict=True):
-        base = r.produced
         if r.constraints is not None:
             scores = r.constraints.apply_rows(scores, p.tokens)
         if r.params.greedy:
             n, extra = verify_greedy(p.tokens, scores)
         else:
             n, extra = verify_sampled(p.tokens, p.probs, scores, r.params, r.rng)
-        target.rollback(len(r.seq) + n, r.slot)
+        target.rollback(len(r.tokens) + n, r.slot)
         if r.drafter is not None:
-            r.drafter.rollback(len(r.seq) + n)
+            r.drafter.rollback(len(r.tokens) + n)
         kept = [*p.tokens[:n], extra]
         if r.constraints is not None:
-            r.constraints.close_round(base, kept)
-        r.seq.extend(kept)
+            r.constraints.close_round(kept)
+        r.tokens.extend(kept)
         r.policy.observe(len(p.tokens), n)
         accepted.append(n)
         emitted.append(kept)
@@ -161,7 +130,7 @@ def speculate(reqs: list[Request], target: Engine, costs: StepCosts) -> Round:
     return Round(decisions, sources, drafted, accepted, emitted, t1 - t0, t2 - t1, logprobs)
 
 
-def _logprobs(req: Request, rows, tokens: list[int]) -> list[TokenLogprob]:
+def _logprobs(req: Sequence, rows, tokens: list[int]) -> list[TokenLogprob]:
     """The emitted tokens' log-probabilities from the target's (processed) rows, if asked."""
     if req.logprobs is None:
         return []
@@ -172,13 +141,15 @@ def _pairs(first: list, second: list):
     return zip(first, second, strict=True)
 
 
-def _draft_job(r: Request, k: int, room: int, offer: Offer) -> DraftJob:
+def _draft_job(r: Sequence, k: int, room: int, offer: Offer) -> DraftJob:
     threshold = r.policy.confidence_threshold
     model = r.drafter.model
-    return DraftJob(model, r.seq, k, r.params, r.rng, threshold, r.constraints, room, offer.prefix)
+    return DraftJob(
+        model, r.tokens, k, r.params, r.rng, threshold, r.constraints, room, offer.prefix
+    )
 
 
-def _propose(reqs: list[Request], offers: list[Offer], decisions: list[Decision], rooms):
+def _propose(reqs: list[Sequence], offers: list[Offer], decisions: list[Decision], rooms):
     """Each request's drafts (lookups alone, model drafts for all requests together), and what
     the draft model's calls took (see `draft_together`)."""
     proposals = [Proposal() for _ in reqs]
@@ -188,7 +159,7 @@ def _propose(reqs: list[Request], offers: list[Offer], decisions: list[Decision]
             together.append(i)
         elif decision.k:
             threshold = r.policy.confidence_threshold
-            proposals[i] = r.drafter.propose(r.seq, decision.k, r.params, r.rng, threshold)
+            proposals[i] = r.drafter.propose(r.tokens, decision.k, r.params, r.rng, threshold)
     if together:
         jobs = [_draft_job(reqs[i], decisions[i].k, rooms[i], offers[i]) for i in together]
         drafted, steps = draft_together(jobs)

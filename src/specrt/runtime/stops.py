@@ -25,7 +25,8 @@ def partial_stop(text: str, stops: Sequence[str]) -> int:
 
 
 class StopRules:
-    """One request's tokens and text so far, and why it finished (None while it runs).
+    """One request's text so far, how many tokens its output has, and why it finished (None
+    while it runs). The tokens themselves stay on the `Sequence`: these rules see each once.
 
     finish is "eos", "stop" or "length"; the caller sets its own reasons (the context is full,
     a timeout, a cancellation) through `end`.
@@ -39,8 +40,9 @@ class StopRules:
         max_new_tokens: int,
     ):
         self.stop, self.eos, self.max_new_tokens = [s for s in stop if s], eos, max_new_tokens
+        self.tokenizer = tokenizer
         self.decoder = IncrementalDecoder(tokenizer)
-        self.tokens: list[int] = []
+        self.length = 0  # tokens of the output so far
         self.text = ""
         self.shown = 0
         self.finish: str | None = None
@@ -48,7 +50,7 @@ class StopRules:
     def push(self, token: int) -> bool:
         """Take one token; True when it ends the output (it is kept: EOS is in the token ids,
         and the token that completes a stop string too, while its text is cut)."""
-        self.tokens.append(token)
+        self.length += 1
         if token in self.eos:
             return self.end("eos")
         self.decoder.push(token)
@@ -56,7 +58,7 @@ class StopRules:
         self.text = self.decoder.text[: min(hits)] if hits else self.decoder.text
         if hits:
             return self.end("stop")
-        if len(self.tokens) >= self.max_new_tokens:
+        if self.length >= self.max_new_tokens:
             return self.end("length")
         return False
 

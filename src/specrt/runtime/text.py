@@ -96,23 +96,24 @@ class IncrementalDecoder:
     """Text deltas as tokens arrive, never splitting a multi-byte character.
 
     Decodes a short window (the previous read position onwards) instead of the whole sequence,
-    and holds a delta back while it ends in an incomplete UTF-8 sequence.
+    keeping only that window's tokens, and holds a delta back while it ends in an incomplete
+    UTF-8 sequence.
     """
 
     def __init__(self, tokenizer: TextTokenizer):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
-        self.prefix = 0
-        self.read = 0
+        self.read = 0  # of ids, those whose text is already out
         self.text = ""
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        before = self.tokenizer.decode(self.ids[self.prefix : self.read])
-        after = self.tokenizer.decode(self.ids[self.prefix :])
+        before = self.tokenizer.decode(self.ids[: self.read])
+        after = self.tokenizer.decode(self.ids)
         if after.endswith("\ufffd") or len(after) <= len(before):
             return ""
         delta = after[len(before) :]
-        self.prefix, self.read = self.read, len(self.ids)
+        del self.ids[: self.read]  # decoded for good: keep only the window still being read
+        self.read = len(self.ids)
         self.text += delta
         return delta

@@ -23,11 +23,12 @@ from specrt.runtime import Result, SpeculativeRuntime
 from specrt.serve import errors
 from specrt.serve.auth import BearerAuth
 from specrt.serve.errors import APIError
+from specrt.serve.events import Delta, Done, Event, Failed
 from specrt.serve.metrics import Metrics
-from specrt.serve.protocol import ChatRequest, CompletionRequest, Reply
+from specrt.serve.protocol import ChatRequest, CompletionRequest
+from specrt.serve.render import Reply
 from specrt.serve.service import LocalService, Service, Stream
 from specrt.serve.settings import ServeSettings
-from specrt.serve.worker import Delta, Done, Event, Failed
 
 
 class Server:
@@ -40,7 +41,7 @@ class Server:
         body.refuse_unsupported()
         if body.model and body.model != self.settings.served_model:
             raise APIError(
-                404,
+                "not_found",
                 f"the model {body.model!r} does not exist here; this server serves "
                 f"{self.settings.served_model!r}",
                 param="model",
@@ -112,7 +113,7 @@ class Server:
                     results[index] = event.result
                     yield sse(reply.last_chunk(event.result))
                 else:
-                    self.service.metrics.outcome(errors.outcome(event.error.status))
+                    self.service.metrics.outcome(event.error.outcome)
                     yield sse(event.error.body())
                     break
             else:
@@ -177,7 +178,9 @@ def create_app(
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict:
         if model_id != settings.served_model:
-            raise APIError(404, f"the model {model_id!r} does not exist", code="model_not_found")
+            raise APIError(
+                "not_found", f"the model {model_id!r} does not exist", code="model_not_found"
+            )
         return await service.model_card()
 
     @app.post("/v1/completions")
@@ -192,7 +195,7 @@ def create_app(
     async def metrics() -> Response:
         text = service.metrics.exposition()
         if text is None:
-            raise APIError(404, service.metrics.instruments.where, code="metrics_elsewhere")
+            raise APIError("not_found", service.metrics.instruments.where, code="metrics_elsewhere")
         return Response(text, media_type=Metrics.content_type)
 
     return app

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hmac
 
-from specrt.serve.errors import APIError, outcome
+from specrt.serve.errors import APIError
 
 
 class BearerAuth:
@@ -24,8 +24,8 @@ class BearerAuth:
                     "a missing or wrong API key: send the header 'Authorization: Bearer KEY' "
                     "with the server's --api-key"
                 )
-                error = APIError(401, message, code="invalid_api_key")
-                self.metrics.outcome(outcome(401))
+                error = APIError("unauthorized", message, code="invalid_api_key")
+                self.metrics.outcome(error.outcome)
                 await error.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from specrt.runtime import Result
+from specrt.serve.render import finish_reason
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -132,9 +133,7 @@ class Metrics:
     def record(self, result: Result, queue_seconds: float) -> None:
         """Everything one finished (or cut short) request contributes."""
         s = result.stats
-        self.outcome(
-            {"eos": "stop", "context": "length"}.get(result.finish_reason, result.finish_reason)
-        )
+        self.outcome(finish_reason(result))
         self.prompt_tokens.inc(s.prompt_tokens)
         self.cached_tokens.inc(s.cached_tokens)
         self.generation_tokens.inc(len(result.token_ids))

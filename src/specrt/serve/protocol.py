@@ -1,4 +1,4 @@
-"""The request bodies and response chunks of OpenAI's completions and chat APIs.
+"""The request bodies of OpenAI's completions and chat APIs (their responses are render.py's).
 
 The models check types and shapes only (strictly: "0.5" is not a number); what the values may
 be (temperature >= 0, top_p in (0, 1], K within the bundle's K_max, the prompt within the
@@ -18,18 +18,14 @@ from __future__ import annotations
 
 import contextlib
 import json
-import time
-import uuid
 from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from specrt.runtime import Result, Structure, TokenLogprob
+from specrt.runtime import Structure
 from specrt.serve.errors import APIError
-from specrt.serve.tools import CallStream, ToolCall, Tools, parse_calls
+from specrt.serve.tools import Tools
 
-# OpenAI's finish reasons; "timeout" is specrt's own (the request hit the server's --timeout).
-FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
 MAX_CHOICES = 16  # n per request: each choice is a generation of its own in the queue
 
 
@@ -62,7 +58,7 @@ class StructuredOutputs(BaseModel):
         given = {k: v for k, v in self.model_dump().items() if v not in (None, False)}
         if len(given) != 1:
             raise APIError(
-                400,
+                "invalid",
                 "structured_outputs takes exactly one of json, regex, grammar, choice, "
                 f"json_object; got {', '.join(given) or 'none'}",
                 param="structured_outputs",
@@ -83,13 +79,13 @@ def response_format(fmt: dict) -> Structure | None:
         spec = fmt.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
             raise APIError(
-                400,
+                "invalid",
                 'response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}',
                 param="response_format.json_schema.schema",
             )
         return Structure("json_schema", spec["schema"])
     raise APIError(
-        400,
+        "invalid",
         f"response_format type {kind!r} is not one of text, json_object, json_schema",
         param="response_format.type",
     )
@@ -149,7 +145,9 @@ class _Request(BaseModel):
         """Options that would change the output and that specrt does not implement."""
         if not 1 <= self.n <= MAX_CHOICES:
             raise APIError(
-                400, f"n must be 1 to {MAX_CHOICES} (choices a request), got {self.n}", param="n"
+                "invalid",
+                f"n must be 1 to {MAX_CHOICES} (choices a request), got {self.n}",
+                param="n",
             )
 
     def choices(self) -> list:
@@ -164,7 +162,7 @@ class _Request(BaseModel):
         """What the output must match, and the field that asked (it names errors)."""
         if self.structured_outputs is not None and self.response_format is not None:
             raise APIError(
-                400,
+                "invalid",
                 "send response_format or structured_outputs, not both",
                 param="structured_outputs",
             )
@@ -236,7 +234,7 @@ class CompletionRequest(_Request):
         super().refuse_unsupported()
         if self.echo or self.suffix or (self.best_of or 1) > 1:
             name = next(n for n in ("echo", "suffix", "best_of") if getattr(self, n))
-            raise APIError(400, f"{name} is not supported by specrt", param=name)
+            raise APIError("invalid", f"{name} is not supported by specrt", param=name)
 
     def logprobs_count(self) -> int | None:
         return self.logprobs
@@ -247,7 +245,7 @@ class CompletionRequest(_Request):
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
             if len(prompt) != 1:
                 raise APIError(
-                    400,
+                    "invalid",
                     f"one prompt per request (n=1), got a list of {len(prompt)}",
                     param="prompt",
                 )
@@ -295,7 +293,7 @@ def _token_ids(bias: dict[str, float] | None) -> dict[int, float] | None:
         return {int(token): value for token, value in bias.items()}
     except ValueError as err:
         raise APIError(
-            400, f"logit_bias keys must be token ids: {err}", param="logit_bias"
+            "invalid", f"logit_bias keys must be token ids: {err}", param="logit_bias"
         ) from err
 
 
@@ -313,9 +311,9 @@ class ChatRequest(_Request):
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
         if self.top_logprobs is not None and not self.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+            raise APIError("invalid", "top_logprobs needs logprobs: true", param="top_logprobs")
         if self.tool_choice not in (None, "none") and not self.tools:
-            raise APIError(400, "tool_choice needs tools", param="tool_choice")
+            raise APIError("invalid", "tool_choice needs tools", param="tool_choice")
 
     def logprobs_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -331,7 +329,7 @@ class ChatRequest(_Request):
         plan = Tools(self.tools, self.tool_choice, self.parallel_tool_calls)
         if plan.choice not in ("auto", "none") and self.structure()[0] is not None:
             raise APIError(
-                400,
+                "invalid",
                 "a required or named tool call and a response format cannot both be enforced",
                 param="tool_choice",
             )
@@ -343,165 +341,3 @@ class ChatRequest(_Request):
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
-
-
-def usage(results: list[Result]) -> dict:
-    """OpenAI's usage over a request's choices (its prompt counted once): how much of the prompt
-    a slot already held (cached, not computed again), prediction tokens the outputs kept, and
-    those verified and dropped."""
-    prompt = results[0].stats.prompt_tokens
-    completion = sum(len(result.token_ids) for result in results)
-    details = {
-        kind: sum(getattr(result.stats, kind) for result in results)
-        for kind in ("accepted_prediction_tokens", "rejected_prediction_tokens")
-    }
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": results[0].stats.cached_tokens},
-        "completion_tokens_details": details,
-    }
-
-
-def speculation(result: Result) -> dict:
-    """Extension: how this request's speculation went."""
-    s = result.stats
-    return {
-        "controller": s.controller,
-        "drafter": s.drafter,
-        "rounds": s.rounds,
-        "drafted": s.drafted,
-        "accepted": s.accepted,
-        "acceptance_rate": s.acceptance_rate,
-        "target_calls": s.target_calls,
-        "tokens_per_target_call": s.tokens_per_target_call,
-        "ks": s.ks,
-    }
-
-
-def finish_reason(result: Result) -> str:
-    return FINISH_REASONS.get(result.finish_reason, result.finish_reason)
-
-
-class Reply:
-    """The chunks and the whole response of one choice of a request, in the shape its endpoint
-    uses: text, log-probabilities where asked, and tool calls parsed from the text where tools
-    were given (streamed as one delta per whole call). `replies` makes a request's n, which
-    share its id; `response` and `usage_chunk` put their results together."""
-
-    def __init__(self, chat: bool, model: str, tools: bool = False, index: int = 0):
-        self.chat, self.model, self.index = chat, model, index
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-        self.sent_role = False
-        self.calls = CallStream() if tools else None
-        self.called = 0  # tool calls streamed so far
-        self.offset = 0  # characters of completion text before the next logprob entry
-
-    def _envelope(self, obj: str, choices: list[dict]) -> dict:
-        return {
-            "id": self.id,
-            "object": obj,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
-
-    def chunk(
-        self, text: str, logprobs: list[TokenLogprob] | None = None, finish: str | None = None
-    ) -> dict:
-        calls: list[ToolCall] = []
-        if self.calls is not None:
-            text, calls = self.calls.feed(text, final=finish is not None)
-        if not self.chat:
-            choice = {"index": self.index, "text": text, "logprobs": self._logprobs(logprobs)}
-            return self._envelope("text_completion", [{**choice, "finish_reason": finish}])
-        delta: dict = {} if finish and not text else {"content": text}
-        if calls:
-            delta["tool_calls"] = [c.as_dict(self.called + i) for i, c in enumerate(calls)]
-            self.called += len(calls)
-        if not self.sent_role:
-            delta = {"role": "assistant", **delta}
-            self.sent_role = True
-        choice = {"index": self.index, "delta": delta, "logprobs": self._logprobs(logprobs)}
-        return self._envelope("chat.completion.chunk", [{**choice, "finish_reason": finish}])
-
-    def last_chunk(self, result: Result) -> dict:
-        chunk = self.chunk("", finish=finish_reason(result))
-        if self.called and result.finish_reason in ("eos", "stop"):
-            chunk["choices"][0]["finish_reason"] = "tool_calls"
-        return {**chunk, "speculation": speculation(result)}
-
-    def usage_chunk(self, results: list[Result]) -> dict:
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return {**self._envelope(obj, []), "usage": usage(results)}
-
-    @staticmethod
-    def replies(chat: bool, model: str, tools: bool, n: int) -> list[Reply]:
-        first = Reply(chat, model, tools)
-        rest = [Reply(chat, model, tools, index) for index in range(1, n)]
-        for reply in rest:
-            reply.id, reply.created = first.id, first.created
-        return [first, *rest]
-
-    @staticmethod
-    def response(replies: list[Reply], results: list[Result]) -> dict:
-        """The whole response: a choice per result, the usage of all (the prompt once), and
-        the speculation extension (a list, one per choice, where n > 1)."""
-        choices = [reply.choice(result) for reply, result in zip(replies, results, strict=True)]
-        obj = "chat.completion" if replies[0].chat else "text_completion"
-        stats = [speculation(result) for result in results]
-        return {
-            **replies[0]._envelope(obj, choices),
-            "usage": usage(results),
-            "speculation": stats[0] if len(stats) == 1 else stats,
-        }
-
-    def choice(self, result: Result) -> dict:
-        finish = finish_reason(result)
-        logprobs = self._logprobs(result.logprobs)
-        if self.chat:
-            message: dict = {"role": "assistant", "content": result.text}
-            if self.calls is not None:
-                content, calls = parse_calls(result.text)
-                if calls:
-                    message = {"role": "assistant", "content": content or None}
-                    message["tool_calls"] = [call.as_dict() for call in calls]
-                    finish = "tool_calls" if result.finish_reason in ("eos", "stop") else finish
-            choice = {"index": self.index, "message": message, "logprobs": logprobs}
-        else:
-            choice = {"index": self.index, "text": result.text, "logprobs": logprobs}
-        return {**choice, "finish_reason": finish}
-
-    def _logprobs(self, entries: list[TokenLogprob] | None) -> dict | None:
-        """OpenAI's logprobs object: chat's `content` list, or completions' parallel lists."""
-        if not entries:
-            return None
-        if self.chat:
-            return {"content": [_chat_entry(e) for e in entries], "refusal": None}
-        offsets = []
-        for entry in entries:
-            offsets.append(self.offset)
-            self.offset += len(entry.text)
-        return {
-            "tokens": [e.text for e in entries],
-            "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [
-                dict(zip(e.top_texts, (lp for _, lp in e.top), strict=True)) for e in entries
-            ],
-            "text_offset": offsets,
-        }
-
-
-def _chat_entry(entry: TokenLogprob) -> dict:
-    top = [
-        {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-        for text, (_, logprob) in zip(entry.top_texts, entry.top, strict=True)
-    ]
-    return {
-        "token": entry.text,
-        "logprob": entry.logprob,
-        "bytes": list(entry.text.encode()),
-        "top_logprobs": top,
-    }

@@ -43,10 +43,10 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from specrt.errors import SpecrtError
 from specrt.serve.app import create_app
 from specrt.serve.errors import APIError
+from specrt.serve.events import Event, Failed, is_last
 from specrt.serve.metrics import Instrument, Metrics
-from specrt.serve.service import Body, LocalService, is_last
+from specrt.serve.service import Body, LocalService
 from specrt.serve.settings import RayOptions, ServeSettings
-from specrt.serve.worker import Event, Failed
 
 log = logging.getLogger("specrt.serve")
 
@@ -231,7 +231,7 @@ class RayService:
             replica = await events.__anext__()
         except Exception as err:
             error = failure(err)
-            if error.status == 429:
+            if error.kind == "busy":
                 self.metrics.rejected.inc()
             raise error from err
         return RayStream(events, replica)
@@ -241,18 +241,18 @@ def failure(err: Exception) -> APIError:
     """What a client is told when the call to a replica fails."""
     if isinstance(err, BackPressureError):
         message = "the server is busy: every replica is full and the queue too; retry later"
-        return APIError(429, message, code="queue_full", headers={"Retry-After": "1"})
+        return APIError("busy", message, code="queue_full", headers={"Retry-After": "1"})
     if isinstance(err, RayTaskError | StopAsyncIteration):
         log.error("an engine replica failed: %s", err)
-        return APIError(500, f"the engines failed: {type(err).__name__}", code="engine")
+        return APIError("engine", f"the engines failed: {type(err).__name__}", code="engine")
     if isinstance(err, RayError | DeploymentUnavailableError):
         message = (
             f"the engine replica serving this request is gone ({type(err).__name__}); "
             "Ray is replacing it: retry"
         )
-        return APIError(503, message, code="replica_unavailable")
+        return APIError("unavailable", message, code="replica_unavailable")
     log.exception("the call to an engine replica failed", exc_info=err)
-    return APIError(500, f"the engines failed: {type(err).__name__}: {err}", code="engine")
+    return APIError("engine", f"the engines failed: {type(err).__name__}: {err}", code="engine")
 
 
 @serve.ingress()

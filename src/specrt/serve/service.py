@@ -10,23 +10,22 @@ same routes, errors, auth and SSE, is hosted both ways.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
-import time
 from typing import Protocol
 
 from starlette.concurrency import run_in_threadpool
 
 from specrt.bundle import Bundle
 from specrt.errors import SpecrtError
-from specrt.runtime import Generation, SpeculativeRuntime
+from specrt.runtime import Sequence, SpeculativeRuntime
 from specrt.runtime.drafters import DRAFTERS
 from specrt.serve.errors import APIError
+from specrt.serve.events import Event
 from specrt.serve.metrics import Metrics
 from specrt.serve.protocol import ChatRequest, CompletionRequest
 from specrt.serve.settings import ServeSettings
-from specrt.serve.worker import Delta, Event, Failed, Job, Worker
+from specrt.serve.worker import Job, Worker
 
 log = logging.getLogger("specrt.serve")
 
@@ -129,7 +128,9 @@ class LocalService:
     def ready(self) -> tuple[SpeculativeRuntime, Worker]:
         status, detail = self.status()
         if status != "ok":
-            raise APIError(503, f"the server is not ready: {detail['detail']}", code=status)
+            raise APIError(
+                "unavailable", f"the server is not ready: {detail['detail']}", code=status
+            )
         return self.runtime, self.worker
 
     async def model_card(self) -> dict:
@@ -144,8 +145,8 @@ class LocalService:
             }
         return card
 
-    def generation(self, body: Body) -> Generation:
-        """The runtime's generation for a request (tokenizes: call it off the event loop)."""
+    def sequence(self, body: Body) -> Sequence:
+        """The runtime's sequence for a request (tokenizes: call it off the event loop)."""
         runtime, limit = self.runtime, body.token_limit
         prompt_field = "messages" if isinstance(body, ChatRequest) else "prompt"
         options = body.runtime_options(self.settings.controller, self.settings.drafter)
@@ -160,13 +161,13 @@ class LocalService:
             room = runtime.bundle.max_context - len(ids)
             if limit is not None and limit > room:
                 raise APIError(
-                    400,
+                    "invalid",
                     f"the prompt has {len(ids)} tokens and max_tokens asks for {limit} more; the "
                     f"model's context is {runtime.bundle.max_context} tokens",
                     param="max_tokens",
                     code="context_length_exceeded",
                 )
-            return runtime.stream(
+            return runtime.sequence(
                 ids,
                 max_new_tokens=min(limit or body.default_max_tokens or room, room),
                 timeout=self.settings.timeout,
@@ -176,51 +177,11 @@ class LocalService:
             renames = {"structure": asked}
             raise APIError.from_specrt(err, prompt_field, renames) from err
 
-    async def open(self, body: Body) -> JobStream:
+    async def open(self, body: Body) -> Job:
         _, worker = self.ready()
-        job = Job(await run_in_threadpool(self.generation, body))
-        worker.submit(job)
-        return JobStream(job, worker, self.metrics, self.settings.timeout)
-
-
-class JobStream:
-    """The events of a job in this process's worker."""
-
-    headers: dict[str, str] = {}
-
-    def __init__(self, job: Job, worker: Worker, metrics: Metrics, timeout: float | None):
-        self.job, self.worker, self.metrics, self.timeout = job, worker, metrics, timeout
-        self._started = False
-
-    async def next(self) -> Event:
-        if self._started:
-            return await self.job.events.get()
-        self._started = True
-        return await self._first()
-
-    async def _first(self) -> Event:
-        """The job's first event; a job still queued at its deadline is withdrawn (504)."""
-        deadline = self.job.generation.deadline
-        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        job = Job(await run_in_threadpool(self.sequence, body))
         try:
-            return await asyncio.wait_for(self.job.events.get(), remaining)
-        except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
-            if self.worker.withdraw(self.job):
-                message = (
-                    f"the request waited in the queue past the server's timeout of "
-                    f"{self.timeout:g}s"
-                )
-                return Failed(APIError(504, message, code="timeout"))
-            return await self.job.events.get()  # it started: its own deadline ends it in a round
-
-    def cancel(self) -> None:
-        """Withdrawn if still queued, else stopped after the round in flight (and then
-        recorded by the worker as cancelled); nothing once it has ended."""
-        if self.job.generation.result is None:
-            if self.worker.withdraw(self.job):
-                self.metrics.outcome("cancelled")
-            self.job.cancel()
-
-
-def is_last(event: Event) -> bool:
-    return not isinstance(event, Delta)
+            worker.submit(job)
+        except SpecrtError as err:  # full, or shutting down
+            raise APIError.from_specrt(err) from err
+        return job

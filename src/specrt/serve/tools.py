@@ -54,7 +54,7 @@ class Tools:
         self.functions = [_function(i, tool) for i, tool in enumerate(tools)]
         names = [f["name"] for f in self.functions]
         if len(set(names)) != len(names):
-            raise APIError(400, "tool names must be unique", param="tools")
+            raise APIError("invalid", "tool names must be unique", param="tools")
         self.choice = _choice(choice or "auto", names)
         self.parallel = parallel
 
@@ -72,7 +72,7 @@ class Tools:
     def check_template(self, chat_template: str | None) -> None:
         if self.parses and OPEN not in (chat_template or ""):
             raise APIError(
-                400,
+                "invalid",
                 "this model's chat template does not write tool calls in a format specrt "
                 f"parses (Hermes: {OPEN} ... {CLOSE}, as Qwen2.5 and Qwen3 use)",
                 param="tools",
@@ -92,7 +92,7 @@ class Tools:
             except SpecrtError as err:
                 index = self.functions.index(function)
                 param = f"tools[{index}].function.parameters"
-                raise APIError(400, f"{param}: {err}", param=param) from err
+                raise APIError("invalid", f"{param}: {err}", param=param) from err
             call = {
                 "type": "object",
                 "properties": {"name": {"const": function["name"]}, "arguments": parameters},
@@ -113,21 +113,21 @@ def _function(index: int, tool) -> dict:
     where = f"tools[{index}]"
     if not isinstance(tool, dict) or tool.get("type") != "function":
         raise APIError(
-            400, f'{where} must be {{"type": "function", "function": {{...}}}}', param=where
+            "invalid", f'{where} must be {{"type": "function", "function": {{...}}}}', param=where
         )
     function = tool.get("function")
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise APIError(400, f"{where}.function must have a name", param=f"{where}.function")
+        raise APIError("invalid", f"{where}.function must have a name", param=f"{where}.function")
     if not NAME.match(function["name"]):
         raise APIError(
-            400,
+            "invalid",
             f"{where}.function.name must be 1-64 letters, digits, _ or -, got {function['name']!r}",
             param=f"{where}.function.name",
         )
     parameters = function.get("parameters")
     if parameters is not None and not isinstance(parameters, dict):
         param = f"{where}.function.parameters"
-        raise APIError(400, f"{param} must be a JSON schema object", param=param)
+        raise APIError("invalid", f"{param} must be a JSON schema object", param=param)
     return {k: v for k, v in function.items() if k in ("name", "description", "parameters")}
 
 
@@ -139,14 +139,14 @@ def _choice(choice, names: list[str]) -> str:
     name = function.get("name") if isinstance(function, dict) else None
     if name is None:
         raise APIError(
-            400,
+            "invalid",
             'tool_choice must be "none", "auto", "required" or '
             '{"type": "function", "function": {"name": ...}}',
             param="tool_choice",
         )
     if name not in names:
         raise APIError(
-            400, f"tool_choice names {name!r}, which is not in tools", param="tool_choice"
+            "invalid", f"tool_choice names {name!r}, which is not in tools", param="tool_choice"
         )
     return name
 

@@ -25,9 +25,9 @@ import click
 from ceilings import best_round
 
 from specrt import machine
-from specrt.bench import padding_lines, row_padding
 from specrt.files import write_result
 from specrt.runtime import SpeculativeRuntime
+from specrt.tools.bench import padding_lines, row_padding
 
 PROMPTS = ["def quicksort(xs):", "Explain how a CPU cache works.", "The history of Rome"]
 

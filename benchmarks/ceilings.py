@@ -17,11 +17,11 @@ from pathlib import Path
 import click
 
 from specrt import machine
-from specrt.bench import padding_lines, row_padding
 from specrt.files import write_result
 from specrt.runtime import SpeculativeRuntime
 from specrt.runtime.controller import price_round
 from specrt.runtime.costs import StepCosts
+from specrt.tools.bench import padding_lines, row_padding
 
 
 def best_round(costs: StepCosts, batch: int, alpha: float, k_max: int) -> tuple[float, int]:

@@ -23,9 +23,10 @@ from pathlib import Path
 
 import click
 
-from specrt import llamacpp, machine
+from specrt import machine
 from specrt.files import write_result
 from specrt.runtime import SpeculativeRuntime
+from specrt.tools import llamacpp
 
 
 def turn(rt: SpeculativeRuntime, messages: list[dict], max_new: int, cache: bool) -> dict:

@@ -26,8 +26,8 @@ import openai
 from serve_overhead import free_port, start_server, summarize, through_server
 
 from specrt import machine
-from specrt.bench import load_prompts
 from specrt.files import write_json_atomic
+from specrt.tools.bench import load_prompts
 
 
 def connect(port: int) -> tuple[openai.OpenAI, str]:

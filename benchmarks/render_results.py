@@ -25,8 +25,8 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 # kind -> the module whose `markdown(result)` writes that kind's report
 RENDERERS = {
-    "bench": "specrt.bench",
-    "concurrency": "specrt.concurrency",
+    "bench": "specrt.tools.bench",
+    "concurrency": "specrt.tools.concurrency",
     "big_target": "big_target",
     "ceilings": "ceilings",
     "gguf_forms": "gguf_forms",

@@ -19,11 +19,11 @@ from pathlib import Path
 import click
 
 from specrt import machine
-from specrt.bench import load_prompts, padding_lines, row_padding
 from specrt.bundle import Bundle
 from specrt.engines import load_engine
 from specrt.files import write_result
 from specrt.runtime import SpeculativeRuntime
+from specrt.tools.bench import load_prompts, padding_lines, row_padding
 
 PROMPTS = [Path("benchmarks/prompts") / f"{name}.jsonl" for name in ("chat", "code")]
 CONFIGS = {"target_alone": {"speculate": False}, "adaptive": {}}

@@ -25,9 +25,9 @@ from pathlib import Path
 import openai
 
 from specrt import machine
-from specrt.bench import load_prompts
 from specrt.files import write_json_atomic
 from specrt.runtime import SpeculativeRuntime
+from specrt.tools.bench import load_prompts
 
 
 def free_port() -> int:

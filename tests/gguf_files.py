@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from specrt.exporter.tiny import train_tokenizer
-from specrt.synthetic import random_blocks
+from specrt.tools.synthetic import random_blocks
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2
 # Per projection: the registry's target holds Q4_K and Q6_K, its draft Q5_0, Q8_0, Q6_K, Q4_K.

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from specrt import machine
-from specrt.bench import load_prompts, per_token_latencies, run_bench, write_report
+from specrt.tools.bench import load_prompts, per_token_latencies, run_bench, write_report
 
 PROMPT_FILES = [
     Path(__file__).parent.parent / "benchmarks" / "prompts" / f"{name}.jsonl"

@@ -14,7 +14,6 @@ import openai
 import pytest
 from servers import client, serving
 
-from specrt.bench import run_bench
 from specrt.bundle import Bundle
 from specrt.errors import SpecrtError
 from specrt.exporter.build import build_bundle
@@ -30,6 +29,7 @@ from specrt.runtime.drafters import (
 )
 from specrt.runtime.sampling import SamplingParams
 from specrt.serve import ServeSettings
+from specrt.tools.bench import run_bench
 
 # A prompt whose continuation repeats what it already holds, so lookups find matches.
 REPEATING = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return a + b\n\n\ndef add("

@@ -32,9 +32,9 @@ from specrt.exporter.graph import write_graph
 from specrt.exporter.precision import Precision
 from specrt.exporter.projections import EMBEDDED, projections_for
 from specrt.exporter.tensors import open_weights
-from specrt.quality import Comparison, text_labels
 from specrt.runtime import SpeculativeRuntime
 from specrt.sources import Source
+from specrt.tools.quality import Comparison, text_labels
 
 MAX_CONTEXT = 128
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from specrt.bundle import Bundle
-from specrt.doctor import diagnose, probe
 from specrt.engines import load_engine
 from specrt.runtime import SpeculativeRuntime
+from specrt.tools.doctor import diagnose, probe
 
 VERDICTS = {v.backend: v for v in diagnose(probe())}
 PROMPTS = ["def fibonacci(n):", "The quick brown fox"]

@@ -13,13 +13,13 @@ from click.testing import CliRunner
 from specrt import machine
 from specrt.bundle import Bundle
 from specrt.cli import cli
-from specrt.doctor import diagnose, probe
 from specrt.engines import load_engine
 from specrt.engines.onnxruntime import check_providers, providers_for, trt_profile_options
 from specrt.engines.tensorrt import call_plan
 from specrt.errors import SpecrtError
-from specrt.gpucheck import torch_sees_a_gpu
 from specrt.profiles import Profile, input_shapes, plan_profiles, select_profile
+from specrt.tools.doctor import diagnose, probe
+from specrt.tools.gpucheck import torch_sees_a_gpu
 
 
 def test_profiles_for_the_test_bundles_and_the_default_pair():

@@ -12,9 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from specrt import llamacpp
-from specrt.bench import _llamacpp_rows
-from specrt.concurrency import LLAMA, _llama_servers, goals, markdown
+from specrt.tools import llamacpp
+from specrt.tools.bench import _llamacpp_rows
+from specrt.tools.concurrency import LLAMA, _llama_servers, goals, markdown
 
 
 @pytest.fixture

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from fixed_costs import FixedCosts, flat_costs, gguf_costs
 
-from specrt import replay
 from specrt.errors import SpecrtError
 from specrt.runtime import SpeculativeRuntime
 from specrt.runtime.controller import Adaptive, PooledAcceptance
+from specrt.tools import replay
 
 PROMPT = "def fibonacci(n):"
 # Qwen2.5-Coder 0.5B int4 drafting for the 1.5B gguf target, 8 chat and code prompts, 128

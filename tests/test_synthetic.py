@@ -16,7 +16,7 @@ from specrt.exporter.precision import Precision
 from specrt.exporter.tensors import open_weights
 from specrt.runtime.api import SpeculativeRuntime
 from specrt.sources import Source, load_model, load_tokenizer
-from specrt.synthetic import CONFIGS, q4_k_m_type, synthesize
+from specrt.tools.synthetic import CONFIGS, q4_k_m_type, synthesize
 
 
 def _quiet(_: str) -> None:

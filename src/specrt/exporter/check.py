@@ -25,9 +25,9 @@ from pathlib import Path
 import numpy as np
 
 from specrt.errors import SpecrtError
+from specrt.exporter.agreement import PROSE, Comparison
 from specrt.exporter.graph import ModelShape
 from specrt.exporter.tensors import Subset, Tensors
-from specrt.quality import PROSE, Comparison
 
 # Max |ORT logit - PyTorch logit| allowed, relative to the largest |logit| (float32 graphs).
 # Measured: ~2e-6 relative on the tiny models; summation order alone stays far below this, while a

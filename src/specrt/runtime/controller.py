@@ -167,7 +167,7 @@ class Adaptive:
         lucky streaks into long rounds and single rejections down to K = 0. At 2 clients on the
         gguf target that ran at 0.91x the best fixed K (its K jumped 1..8 round by round, and
         requests whose first drafts were rejected never drafted again); shrunk toward the pool,
-        1.00x in the same benchmark (replayed, `specrt.replay`: 0.97x where it was 0.93x)."""
+        1.00x in the same benchmark (replayed, `specrt.tools.replay`: 0.97x where it was 0.93x)."""
         accepted, rejected = self.counts.get(source, (0.0, 0.0))
         weight = self.pool_weight
         return (accepted + weight * self._base(source)) / (accepted + rejected + weight)

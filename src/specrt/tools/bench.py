@@ -25,14 +25,15 @@ from pathlib import Path
 
 import numpy as np
 
-from specrt import llamacpp, machine
+from specrt import machine
 from specrt.bundle import Bundle
 from specrt.files import write_bytes_atomic, write_json_atomic
-from specrt.quality import recorded_quality
 from specrt.runtime import SpeculativeRuntime
 from specrt.runtime.costs import measure_costs
 from specrt.runtime.sequence import per_token_latencies
 from specrt.runtime.text import TextTokenizer
+from specrt.tools import llamacpp
+from specrt.tools.quality import recorded_quality
 
 FIXED_KS = (1, 2, 4, 6, 8)
 CURVE_TOKENS = 17  # verify costs are reported for K = 0..16 drafts, then to the lookup window

@@ -6,11 +6,8 @@ from pathlib import Path
 
 import click
 
+from specrt.cli.common import log as _log
 from specrt.errors import SpecrtError
-
-
-def _log(message: str) -> None:
-    click.echo(message, err=True)
 
 
 @click.group()
@@ -64,8 +61,8 @@ def models_path(name: str) -> None:
 @click.option("--seed", default=0, show_default=True)
 def models_synthetic(name: str, out: Path, formats, tokenizer: str | None, seed: int) -> None:
     """Write NAME's real config and tokenizer with seeded random weights (sizes and speeds
-    only; see specrt.synthetic): qwen2.5-0.5b, -1.5b, -7b, llama-3.1-8b."""
-    from specrt.synthetic import synthesize
+    only; see specrt.tools.synthetic): qwen2.5-0.5b, -1.5b, -7b, llama-3.1-8b."""
+    from specrt.tools.synthetic import synthesize
 
     made = synthesize(name, out, formats=formats, tokenizer=tokenizer, seed=seed, log=_log)
     click.echo("\n".join(str(path) for path in made.values()))

@@ -23,9 +23,9 @@ from pathlib import Path
 import numpy as np
 
 from specrt.bundle import Bundle
-from specrt.doctor import diagnose, probe
 from specrt.errors import SpecrtError
 from specrt.files import write_json_atomic
+from specrt.tools.doctor import diagnose, probe
 
 GPU_BACKENDS = ("torch-cuda", "onnxruntime-cuda", "onnxruntime-tensorrt", "tensorrt")
 PROMPT = "def fibonacci(n):"
@@ -121,7 +121,7 @@ def _logit_diff(engine, reference: dict) -> float:
 def default_bundles(reasons: dict[str, str], log: Log) -> list[Path]:
     """The tiny bundle (built here when missing; with TensorRT engines too where TensorRT can
     run) and the built-in default pair's bundle, where `specrt demo` has built it."""
-    from specrt.demo import default_bundle_path, tiny_bundle
+    from specrt.tools.demo import default_bundle_path, tiny_bundle
 
     bundles = [tiny_bundle(log)]
     if "tensorrt" not in reasons:

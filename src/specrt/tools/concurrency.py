@@ -27,8 +27,14 @@ from pathlib import Path
 
 import numpy as np
 
-from specrt import llamacpp, machine
-from specrt.bench import (
+from specrt import machine
+from specrt.bundle import Bundle
+from specrt.errors import SpecrtError
+from specrt.runtime import Scheduler, SpeculativeRuntime
+from specrt.runtime import Sequence as Running
+from specrt.runtime.sequence import per_token_latencies
+from specrt.tools import llamacpp
+from specrt.tools.bench import (
     current_rss_mb,
     fmt,
     padding_lines,
@@ -36,11 +42,6 @@ from specrt.bench import (
     row_padding,
     write_report,
 )
-from specrt.bundle import Bundle
-from specrt.errors import SpecrtError
-from specrt.runtime import Scheduler, SpeculativeRuntime
-from specrt.runtime import Sequence as Running
-from specrt.runtime.sequence import per_token_latencies
 
 Log = Callable[[str], None]
 LLAMA = "llama.cpp"  # the bundle label of llama-server's rows

@@ -1,0 +1,5 @@
+"""`python -m specrt.cli`: the specrt command."""
+
+from specrt.cli import main
+
+main()

@@ -1,0 +1,120 @@
+"""`specrt serve`: the OpenAI-compatible server, here or on Ray Serve."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from specrt.cli.common import log as _log
+from specrt.engines import BACKENDS
+from specrt.errors import SpecrtError
+from specrt.runtime.drafters import DRAFTERS
+from specrt.runtime.scheduler import PREFILL_CHUNK
+
+
+@click.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--port", default=8000, show_default=True)
+@click.option(
+    "--max-batch", default=8, show_default=True, help="Requests advanced together (slots)."
+)
+@click.option("--max-queue", default=32, show_default=True, help="Waiting requests; then 429.")
+@click.option(
+    "--timeout",
+    default=600.0,
+    show_default=True,
+    help="Seconds per request, queue included (0 = none).",
+)
+@click.option(
+    "--controller",
+    default="adaptive",
+    show_default=True,
+    help="Default speculation: off | fixed:K | heuristic | adaptive.",
+)
+@click.option(
+    "--drafter",
+    type=click.Choice(DRAFTERS),
+    default=None,
+    help="Default drafter [default: model, or ngram for a bundle without a draft model].",
+)
+@click.option(
+    "--api-key", envvar="SPECRT_API_KEY", default=None, help="Require 'Authorization: Bearer KEY'."
+)
+@click.option(
+    "--model-name", default=None, help="The model id clients send [default: bundle name]."
+)
+@click.option("--backend", default="onnxruntime", show_default=True, type=click.Choice(BACKENDS))
+@click.option("--threads", type=int, default=None, help="Intra-op threads (default: all cores).")
+@click.option(
+    "--prompt-cache/--no-prompt-cache",
+    default=True,
+    show_default=True,
+    help="Start a prompt from what a slot already holds of it (exact; off: every prompt "
+    "computed whole, as when measuring prefill).",
+)
+@click.option(
+    "--prefill-chunk",
+    default=PREFILL_CHUNK,
+    show_default=True,
+    help="Prompt tokens fed between rounds, so a long prompt joining stalls the running "
+    "requests one chunk at most (0: each prompt whole).",
+)
+@click.option("--log-level", default="info", show_default=True)
+@click.option("--ray", "on_ray", is_flag=True, help="Serve on Ray Serve (the ray extra).")
+@click.option("--replicas", type=int, default=1, show_default=True, help="--ray: engine replicas.")
+@click.option("--min-replicas", type=int, help="--ray: autoscale between this many...")
+@click.option("--max-replicas", type=int, help="...and this many, on ongoing requests.")
+@click.option("--ray-address", help="--ray: join this cluster (auto, ray://...) [default: local].")
+def serve(
+    bundle,
+    host,
+    port,
+    max_batch,
+    max_queue,
+    timeout,
+    controller,
+    drafter,
+    api_key,
+    model_name,
+    backend,
+    threads,
+    prompt_cache,
+    prefill_chunk,
+    log_level,
+    on_ray,
+    replicas,
+    min_replicas,
+    max_replicas,
+    ray_address,
+):
+    """Serve BUNDLE over an OpenAI-compatible HTTP API (needs the serve extra); with --ray, as
+    engine replicas on Ray Serve behind the same API (docs/ray.md)."""
+    try:
+        from specrt.serve.launch import serve as start
+        from specrt.serve.settings import RayOptions, ServeSettings
+    except ImportError as err:
+        raise SpecrtError(
+            f"specrt serve needs the serve extra: pip install 'specrt[serve]' ({err})"
+        ) from err
+    settings = ServeSettings(
+        bundle=bundle,
+        host=host,
+        port=port,
+        max_batch=max_batch,
+        max_queue=max_queue,
+        timeout=timeout or None,
+        controller=controller,
+        drafter=drafter,
+        api_key=api_key or None,
+        model_name=model_name,
+        backend=backend,
+        threads=threads,
+        prompt_cache=prompt_cache,
+        prefill_chunk=prefill_chunk,
+    )
+    ray = RayOptions(replicas=replicas, min_replicas=min_replicas, max_replicas=max_replicas)
+    if not on_ray and (ray != RayOptions() or ray_address):
+        raise SpecrtError("--replicas, --min-replicas, --max-replicas and --ray-address need --ray")
+    start(settings, ray=ray if on_ray else None, address=ray_address, log_level=log_level, say=_log)

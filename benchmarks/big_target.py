@@ -27,7 +27,8 @@ from ceilings import best_round
 from specrt import machine
 from specrt.files import write_result
 from specrt.runtime import SpeculativeRuntime
-from specrt.tools.bench import padding_lines, row_padding
+from specrt.tools.bench import row_padding
+from specrt.tools.report import padding_lines
 
 PROMPTS = ["def quicksort(xs):", "Explain how a CPU cache works.", "The history of Rome"]
 

@@ -19,9 +19,10 @@ import click
 from specrt import machine
 from specrt.files import write_result
 from specrt.runtime import SpeculativeRuntime
-from specrt.runtime.controller import price_round
 from specrt.runtime.costs import StepCosts
-from specrt.tools.bench import padding_lines, row_padding
+from specrt.runtime.pricing import price_round
+from specrt.tools.bench import row_padding
+from specrt.tools.report import padding_lines
 
 
 def best_round(costs: StepCosts, batch: int, alpha: float, k_max: int) -> tuple[float, int]:

@@ -27,7 +27,7 @@ from serve_overhead import free_port, start_server, summarize, through_server
 
 from specrt import machine
 from specrt.files import write_json_atomic
-from specrt.tools.bench import load_prompts
+from specrt.tools.prompts import load_prompts
 
 
 def connect(port: int) -> tuple[openai.OpenAI, str]:

@@ -25,7 +25,7 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 # kind -> the module whose `markdown(result)` writes that kind's report
 RENDERERS = {
-    "bench": "specrt.tools.bench",
+    "bench": "specrt.tools.report",
     "concurrency": "specrt.tools.concurrency",
     "big_target": "big_target",
     "ceilings": "ceilings",

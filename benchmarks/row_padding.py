@@ -23,7 +23,9 @@ from specrt.bundle import Bundle
 from specrt.engines import load_engine
 from specrt.files import write_result
 from specrt.runtime import SpeculativeRuntime
-from specrt.tools.bench import load_prompts, padding_lines, row_padding
+from specrt.tools.bench import row_padding
+from specrt.tools.prompts import load_prompts
+from specrt.tools.report import padding_lines
 
 PROMPTS = [Path("benchmarks/prompts") / f"{name}.jsonl" for name in ("chat", "code")]
 CONFIGS = {"target_alone": {"speculate": False}, "adaptive": {}}

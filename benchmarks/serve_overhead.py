@@ -27,7 +27,7 @@ import openai
 from specrt import machine
 from specrt.files import write_json_atomic
 from specrt.runtime import SpeculativeRuntime
-from specrt.tools.bench import load_prompts
+from specrt.tools.prompts import load_prompts
 
 
 def free_port() -> int:

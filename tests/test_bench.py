@@ -9,7 +9,10 @@ from pathlib import Path
 import pytest
 
 from specrt import machine
-from specrt.tools.bench import load_prompts, per_token_latencies, run_bench, write_report
+from specrt.runtime.sequence import per_token_latencies
+from specrt.tools.bench import run_bench
+from specrt.tools.prompts import load_prompts
+from specrt.tools.report import write_report
 
 PROMPT_FILES = [
     Path(__file__).parent.parent / "benchmarks" / "prompts" / f"{name}.jsonl"

@@ -18,12 +18,10 @@ from specrt.runtime.controller import (
     RoundContext,
     decide_round,
     decide_together,
-    expected_tokens,
-    first_step_rows,
     make_controller,
-    price_round,
 )
 from specrt.runtime.costs import StepCosts
+from specrt.runtime.pricing import expected_tokens, first_step_rows, price_round
 
 PROMPT = "def fibonacci(n):"
 
@@ -57,10 +55,10 @@ def test_k_climbs_to_k_max_when_the_draft_always_agrees(agree):
 def test_adaptive_climbs_to_k_max_when_every_draft_is_accepted():
     """Deterministic costs (the loop's own are wall-clock): a cheap draft, a flat curve."""
     costs = StepCosts(draft={1: 0.001}, verify={n: 0.010 for n in range(1, 10)})
-    policy = Adaptive(k_max=8, costs=costs)
+    policy = Adaptive(k_model=8, costs=costs)
     ks = []
     for _ in range(12):
-        k = policy.decide(RoundContext(k_max=8, position=20)).k
+        k = policy.decide(RoundContext(room=8, position=20)).k
         _observe(policy, k, k, 0.001 * k, 0.010)
         ks.append(k)
     assert ks[-6:] == [8] * 6 and ks[0] < 8
@@ -117,14 +115,14 @@ def test_calibrated_costs_are_used_from_the_first_round(agree):
 
 
 def _policy_with(verify: dict[int, float], alpha: float) -> Adaptive:
-    return Adaptive(k_max=8, costs=StepCosts(draft={1: 0.01}, verify=verify), prior_alpha=alpha)
+    return Adaptive(k_model=8, costs=StepCosts(draft={1: 0.01}, verify=verify), prior_alpha=alpha)
 
 
 def test_a_steep_verify_curve_means_shorter_speculation():
     """Same acceptance and draft cost; only the measured verify curve differs."""
     flat = {n: 0.100 + 0.002 * (n - 1) for n in range(1, 10)}  # weight-bound float32
     steep = {n: 0.040 + 0.015 * (n - 1) for n in range(1, 10)}  # compute-bound int4
-    ctx = RoundContext(k_max=8, position=10)
+    ctx = RoundContext(room=8, position=10)
     k_flat = _policy_with(flat, 0.8).decide(ctx).k
     k_steep = _policy_with(steep, 0.8).decide(ctx).k
     # Hand-computed: E(K) / (0.01 K + c(K+1)) peaks at K=5 for the flat curve (23.1 tok/s) and
@@ -171,7 +169,7 @@ def test_k_falls_as_the_batch_grows():
     chosen = {}
     for size in (1, 2, 4, 8, 16):
         policies = [Adaptive(costs=costs, prior_alpha=0.7) for _ in range(size)]
-        contexts = [RoundContext(k_max=8, position=50)] * size
+        contexts = [RoundContext(room=8, position=50)] * size
         decisions = decide_together(policies, contexts, costs)
         assert len({d.k for d in decisions}) == 1  # one K for the batch
         chosen[size] = decisions[0].k
@@ -194,7 +192,7 @@ def test_each_request_keeps_its_own_room_and_fixed_requests_pad_the_call():
 def test_a_request_without_drafts_is_probed_now_and_then():
     costs = _batch_costs()
     policy = Adaptive(costs=costs, prior_alpha=0.01)
-    ctx = RoundContext(k_max=8, position=50)
+    ctx = RoundContext(room=8, position=50)
     for _ in range(PROBE_AFTER):
         assert policy.decide(ctx).k == 0
         policy.observe(0, 0)
@@ -361,24 +359,24 @@ def test_a_catch_up_is_spread_over_the_answer_left():
 
 
 def test_long_context_halves_k():
-    policy = Adaptive(k_max=8, long_context=100)
-    assert policy.decide(RoundContext(k_max=8, position=50)).k == 4  # warming up
+    policy = Adaptive(k_model=8, long_context=100)
+    assert policy.decide(RoundContext(room=8, position=50)).k == 4  # warming up
     for _ in range(3):
         _observe(policy, 8, 8, draft_s=0.008, verify_s=0.011)
-    assert policy.decide(RoundContext(k_max=8, position=50)).k == 8
-    decision = policy.decide(RoundContext(k_max=8, position=500))
+    assert policy.decide(RoundContext(room=8, position=50)).k == 8
+    decision = policy.decide(RoundContext(room=8, position=500))
     assert decision.k == 4 and "long context" in decision.reason
 
 
 def test_adaptive_prefers_short_k_when_drafts_are_expensive():
-    policy = Adaptive(k_max=8)
+    policy = Adaptive(k_model=8)
     for k in (2, 6):
         _observe(policy, k, k // 2, draft_s=k * 0.09, verify_s=0.1 + 0.001 * k)
-    assert policy.decide(RoundContext(k_max=8, position=10)).k <= 2
-    cheap = Adaptive(k_max=8)
+    assert policy.decide(RoundContext(room=8, position=10)).k <= 2
+    cheap = Adaptive(k_model=8)
     for k in (2, 6):
         _observe(cheap, k, k, draft_s=k * 0.005, verify_s=0.1 + 0.001 * k)
-    assert cheap.decide(RoundContext(k_max=8, position=10)).k == 8
+    assert cheap.decide(RoundContext(room=8, position=10)).k == 8
 
 
 def test_low_confidence_stops_drafting_early(agree):
@@ -390,9 +388,9 @@ def test_low_confidence_stops_drafting_early(agree):
 
 
 def test_heuristic_and_fixed_respect_room():
-    assert Fixed(6).decide(RoundContext(k_max=2, position=0)).k == 2
+    assert Fixed(6).decide(RoundContext(room=2, position=0)).k == 2
     policy = Heuristic(k_max=8, start=8)
-    assert policy.decide(RoundContext(k_max=3, position=0)).k == 3
+    assert policy.decide(RoundContext(room=3, position=0)).k == 3
     policy.observe(3, 1)
     assert policy.k == 7
 

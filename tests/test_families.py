@@ -11,7 +11,7 @@ import specrt.exporter.graph as graph
 import specrt.exporter.tensors as tensors
 from specrt.errors import SpecrtError
 from specrt.exporter.build import build_bundle
-from specrt.exporter.families import Family
+from specrt.exporter.families import Family, family_of
 from specrt.exporter.families.gemma import Gemma2, Gemma3
 from specrt.exporter.tiny import TINY_SHAPE, train_tokenizer
 from specrt.runtime.api import SpeculativeRuntime
@@ -138,20 +138,22 @@ def test_greedy_equals_transformers_for_64_tokens(folders, tmp_path, family):
 def test_windows_follow_the_config(folders):
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(folders["qwen2-sliding"])
-    assert graph.layer_windows(config) == [None, None, WINDOW, WINDOW]
-    assert graph.layer_windows(AutoConfig.from_pretrained(folders["mistral"])) == [WINDOW] * 4
-    assert graph.layer_windows(AutoConfig.from_pretrained(folders["qwen3"])) == [None] * 4
+    def windows(folder):
+        return family_of(AutoConfig.from_pretrained(folder)).windows()
+
+    assert windows(folders["qwen2-sliding"]) == [None, None, WINDOW, WINDOW]
+    assert windows(folders["mistral"]) == [WINDOW] * 4
+    assert windows(folders["qwen3"]) == [None] * 4
 
 
 CONTROLS = {
     "qwen3": ("_head_norm", lambda b, x, *rest: x),  # no q/k norm
-    "mistral": ("layer_windows", lambda config: [None] * config.num_hidden_layers),
-    "qwen2-sliding": ("layer_windows", lambda config: [None] * config.num_hidden_layers),
+    "mistral": ("windows", lambda self: [None] * self.config.num_hidden_layers),
+    "qwen2-sliding": ("windows", lambda self: [None] * self.config.num_hidden_layers),
     "llama3": ("rope_tables", None),  # set below: the rotary without llama3's scaling
     "phi3": ("FUSED", {"self_attn.qkv_proj": ("q", "k", "v"), "mlp.gate_up_proj": ("up", "gate")}),
     "phi4-mini": ("rope_tables", None),  # set below: every dim of a head turned
-    "gemma2": ("layer_windows", lambda config: [None] * config.num_hidden_layers),
+    "gemma2": ("windows", lambda self: [None] * self.config.num_hidden_layers),
     "gemma3": ("_head_norm", lambda b, x, *rest: x),  # no q/k norm
 }
 
@@ -204,7 +206,7 @@ def test_the_check_refuses_a_graph_without_the_familys_difference(
     folders, tmp_path, monkeypatch, family
 ):
     name, replacement = CONTROLS[family]
-    module = tensors if name == "FUSED" else graph
+    module = {"FUSED": tensors, "windows": Family}.get(name, graph)
     monkeypatch.setattr(module, name, replacement or _unscaled_rope)
     with pytest.raises(SpecrtError, match="differ from PyTorch"):
         _build(folders[family], tmp_path / "b")

@@ -133,13 +133,14 @@ def test_a_free_source_ahead_shortens_the_remaining_tokens_the_controller_sees(b
     seen = []
 
     class Recording:
+        together = False
         confidence_threshold = 0.0
 
         def decide(self, ctx):
             seen.append(ctx)
             return Decision(0, "recording")
 
-        def observe(self, k, accepted):
+        def observe(self, k, accepted, source):
             pass
 
     runtime.generate(

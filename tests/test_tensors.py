@@ -11,11 +11,11 @@ from gguf_files import write_tiny_gguf
 
 import specrt.exporter.check as check
 import specrt.exporter.graph as graph
-import specrt.exporter.tensors as tensors
 from specrt.bundle import Bundle
 from specrt.cli import cli
 from specrt.errors import SpecrtError
 from specrt.exporter.build import build_bundle
+from specrt.exporter.families import Family
 from specrt.exporter.tensors import Subset, open_weights
 from specrt.sources import Source, load_model
 
@@ -44,7 +44,7 @@ def test_gguf_tensors_are_what_transformers_loads(tmp_path, arch):
 def test_llama_rows_out_of_order_are_seen(tmp_path, monkeypatch):
     """The control: read in the file's own q/k row order, llama's q/k differ from transformers'."""
     path = write_tiny_gguf(tmp_path / "llama.gguf", "llama")
-    monkeypatch.setattr(tensors, "PERMUTED_GGUF", ())
+    monkeypatch.setattr(Family, "gguf_interleaved_qk", ())
     diffs = _same_as_transformers(Source.parse(str(path)))
     wrong = {n for n, d in diffs.items() if d > 0}
     assert wrong and all(n.endswith(("q_proj.weight", "k_proj.weight")) for n in wrong)

@@ -32,7 +32,7 @@ def replay_command(bundle: Path, prompt_files, max_new_tokens: int, clients: str
     noise (decoding only). For tuning a controller; the benchmarks measure the real thing."""
     from specrt.runtime import SpeculativeRuntime
     from specrt.tools import replay
-    from specrt.tools.bench import load_prompts, prompt_input
+    from specrt.tools.prompts import load_prompts, prompt_input
 
     levels = [int(n) for n in clients.split(",")]
     _log(f"loading {bundle} with {max(levels)} slots (and calibrating its cost curves)")
@@ -126,7 +126,9 @@ def bench(
     Several BUNDLES (e.g. one per precision combination) share one run: the baselines run once,
     and each non-float32 bundle's rows carry its precision label.
     """
-    from specrt.tools.bench import load_prompts, markdown, run_bench, write_report
+    from specrt.tools.bench import run_bench
+    from specrt.tools.prompts import load_prompts
+    from specrt.tools.report import markdown, write_report
 
     files = _prompt_files(prompt_files)
     genai = {}

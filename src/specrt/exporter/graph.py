@@ -37,7 +37,6 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from specrt.errors import SpecrtError
 from specrt.exporter.external_data import ExternalData
 from specrt.exporter.families import Family, family_of
 from specrt.exporter.projections import FloatProjections
@@ -167,16 +166,6 @@ def rope_tables(
 ) -> tuple[np.ndarray, np.ndarray]:
     """cos/sin per position from the model's own rotary class, built from its config alone
     (no weights), so every rope scaling transformers knows is covered."""
-    parameters = getattr(config, "rope_parameters", None) or {}
-    original = parameters.get("original_max_position_embeddings") or getattr(
-        config, "original_max_position_embeddings", None
-    )
-    if parameters.get("rope_type") == "longrope" and original and capacity > original:
-        raise SpecrtError(
-            f"config.rope_parameters: longrope turns to its long factors for the whole sequence "
-            f"once it passes original_max_position_embeddings ({original}); a cache of "
-            f"{capacity} positions cannot hold both: build with a smaller --max-context"
-        )
     import importlib
 
     import torch
@@ -205,6 +194,7 @@ def write_graph(tensors: Tensors, out_dir: Path, capacity: int, projections=None
     projections = projections or FloatProjections()
     with open(out_dir / "model.onnx.data", "wb") as handle:
         family = family_of(config)
+        family.check_capacity(capacity)
         b = _Builder(ExternalData(handle, "model.onnx.data"), tensors, projections, family)
         # Shapes: S new tokens, T total (the longest row's past + new). Each row's token s sits
         # at position_ids[b, s], which is also its cache index (rows have their own lengths).
@@ -221,7 +211,7 @@ def write_graph(tensors: Tensors, out_dir: Path, capacity: int, projections=None
         causal = b.op("LessOrEqual", key_positions, b.op("Unsqueeze", "position_ids", b.const([2])))
         keep = b.op("Cast", b.op("Unsqueeze", "attention_mask", b.const([1])), to=TensorProto.BOOL)
         allowed = b.op("And", causal, keep)
-        windows = layer_windows(config)
+        windows = family.windows()
         masks = {
             w: _additive_mask(b, allowed, key_positions, w) for w in sorted(set(windows), key=str)
         }
@@ -272,17 +262,6 @@ def write_graph(tensors: Tensors, out_dir: Path, capacity: int, projections=None
     )
     onnx.save_model(proto, str(out_dir / "model.onnx"))
     return shape
-
-
-def layer_windows(config) -> list[int | None]:
-    """Each layer's sliding window (None: it sees its whole prefix), as transformers applies
-    them: per `layer_types` where the config lists them (Qwen2/Qwen3 with use_sliding_window),
-    else `sliding_window` on every layer (Mistral)."""
-    window = getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None)
-    if types:
-        return [window if kind == "sliding_attention" else None for kind in types]
-    return [window] * config.num_hidden_layers
 
 
 def _head_norm(b: _Builder, x: str, module: str, name: str, eps: float) -> str:

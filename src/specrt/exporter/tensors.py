@@ -9,9 +9,9 @@ every page it touched resident, and over a build add up to the whole checkpoint)
   float32 per band);
 - a GGUF file, its metadata through gguf-py's reader, its rows read from the file and turned to
   float32 by gguf-py's own dequantizers, named by gguf-py's tensor-name map (the one
-  transformers uses), with llama's q/k rows put back in the order transformers loads them and
-  Gemma's stored norm offset taken off. Its quantized blocks stay reachable for the `gguf`
-  precision.
+  transformers uses), with what its family's converter changed put back as transformers loads
+  it (q/k rows interleaved, norms offset: `Family.gguf_interleaved_qk`, `Family.norm_offset`).
+  Its quantized blocks stay reachable for the `gguf` precision.
 
 Every array comes out float32, [rows, columns] as PyTorch's Linear holds it ([out, in]).
 """
@@ -27,15 +27,13 @@ from pathlib import Path
 import numpy as np
 
 from specrt.errors import SpecrtError
+from specrt.exporter.families import Family, family_of
 from specrt.exporter.gguf_blocks import SUPPORTED, Blocks, row_permutation
 from specrt.exporter.gguf_blocks import to_blocks as blocks_of
 from specrt.sources import Source, load_config
 
 Index = slice | np.ndarray
 ROW_BAND = 4096  # rows converted at a time from a large tensor
-PERMUTED_GGUF = ("llama",)  # llama.cpp interleaves these models' q/k rows for its rotary kernel
-# llama.cpp stores these models' norm weights with Gemma's 1 added; transformers holds w itself.
-GGUF_NORM_SHIFT = {"gemma2": 1.0, "gemma3": 1.0}
 
 
 class Tensors:
@@ -163,6 +161,11 @@ class GgufFile(Tensors):
         return str(self.path)
 
     @cached_property
+    def _family(self) -> Family:
+        """Its family, which knows how llama.cpp's converter stored its weights."""
+        return family_of(self.config)
+
+    @cached_property
     def _names(self) -> dict[str, str]:
         """Hugging Face name -> GGUF name, for every tensor the file holds. Some GGUF names
         stand for two Hugging Face ones: the first in _hf_stems wins (up_proj over
@@ -203,7 +206,7 @@ class GgufFile(Tensors):
 
     def _order(self, name: str) -> np.ndarray | None:
         """Row order transformers gives llama's q/k (None: the file's own order)."""
-        if self.architecture not in PERMUTED_GGUF:
+        if self.architecture not in self._family.gguf_interleaved_qk:
             return None
         config = self.config
         heads = {
@@ -242,8 +245,9 @@ class GgufFile(Tensors):
 
         values = dequantize(self._raw(name, index), self._tensor(name).tensor_type)
         values = np.ascontiguousarray(values, dtype=np.float32)
-        if name.endswith("norm.weight") and self.architecture in GGUF_NORM_SHIFT:
-            values = values - np.float32(GGUF_NORM_SHIFT[self.architecture])
+        offset = self._family.norm_offset  # llama.cpp stores offset + w; transformers holds w
+        if name.endswith("norm.weight") and offset:
+            values = values - np.float32(offset)
         return values
 
     def blocks(self, name: str, index: Index) -> Blocks | None:

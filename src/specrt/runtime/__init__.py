@@ -4,12 +4,14 @@ from specrt.runtime.api import SpeculativeRuntime
 from specrt.runtime.generation import Generation
 from specrt.runtime.grammar import Structure
 from specrt.runtime.logprobs import TokenLogprob
+from specrt.runtime.options import Options
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.scheduler import Scheduler
 from specrt.runtime.sequence import Result, Sequence, Stats
 
 __all__ = [
     "Generation",
+    "Options",
     "Result",
     "SamplingParams",
     "Scheduler",

@@ -13,6 +13,7 @@ slots=N)`).
 from __future__ import annotations
 
 import collections.abc as cabc
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -26,8 +27,9 @@ from specrt.runtime.controller import PooledAcceptance, make_controller
 from specrt.runtime.costs import StepCosts, measure_costs
 from specrt.runtime.drafters import ConstrainedDrafter, make_drafter
 from specrt.runtime.generation import Generation
-from specrt.runtime.grammar import Grammars, Structure
+from specrt.runtime.grammar import Grammar, Grammars
 from specrt.runtime.logprobs import check_top
+from specrt.runtime.options import Options
 from specrt.runtime.prediction import PredictionDrafter
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.scheduler import PREFILL_CHUNK, Scheduler
@@ -128,127 +130,112 @@ class SpeculativeRuntime:
         ids = self.tokenizer.encode_prompt(prompt, tools)
         if not ids:
             raise SpecrtError("the prompt is empty", param="prompt")
-        if len(ids) >= self.bundle.max_context:
+        self._fits("prompt", len(ids), ", leaving no room to generate", room=1)
+        return ids
+
+    def _fits(self, what: str, tokens: int, why: str = "", room: int = 0) -> None:
+        """Refuse `what` (a parameter) where its tokens and `room` more pass the context."""
+        if tokens + room > self.bundle.max_context:
             raise SpecrtError(
-                f"the prompt has {len(ids)} tokens; the bundle's max context is "
-                f"{self.bundle.max_context}, leaving no room to generate",
-                param="prompt",
+                f"the {what} has {tokens} tokens; the bundle's max context is "
+                f"{self.bundle.max_context}{why}",
+                param=what,
                 code="context_length_exceeded",
             )
-        return ids
 
     def stream(self, prompt: Prompt, **options) -> Generation:
         """Start a request; iterate the result for text deltas, then read `.result`.
 
-        Takes `sequence`'s options. Safe to call from any thread (it tokenizes and validates;
-        no engine runs until the result is iterated, alone, in slot 0)."""
+        Takes the keywords of `Options` (max_new_tokens, temperature, structure, ...). Safe to
+        call from any thread (it tokenizes and validates; no engine runs until the result is
+        iterated, alone, in slot 0)."""
         alone = Scheduler(self.target, self.costs, chunk=None)
         return Generation(self.sequence(prompt, **options), alone)
 
-    def sequence(
-        self,
-        prompt: Prompt,
-        *,
-        max_new_tokens: int = 128,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        stop: cabc.Sequence[str] = (),
-        controller=None,
-        speculate: bool = True,
-        drafter: str | None = None,
-        min_draft: int | None = None,
-        max_draft: int | None = None,
-        ignore_eos: bool = False,
-        timeout: float | None = None,
-        prediction: str | None = None,
-        structure: Structure | None = None,
-        jump_forward: bool = True,
-        logit_bias: dict[int, float] | None = None,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        logprobs: int | None = None,
-    ) -> Sequence:
+    def sequence(self, prompt: Prompt, options: Options | None = None, **changes) -> Sequence:
         """A request as one `Sequence`, validated, for a scheduler to run (`stream` runs it
-        alone; a server's worker adds it to its batch).
+        alone; a server's worker adds it to its batch). changes: `Options` fields to set."""
+        return self.sequences(prompt, options, 1, **changes)[0]
 
-        controller is a spec (`fixed:K`, `heuristic`, `adaptive`) or a policy object of one's
-        own; drafter is `model`, `ngram`, `hybrid` (default: the runtime's) or a drafter object
-        of one's own; speculate=False runs the target alone; min_draft/max_draft bound the K a
-        spec may choose (K_max caps max_draft); ignore_eos generates exactly max_new_tokens
-        (what benchmarks need); timeout, in seconds from now, ends the generation after the
-        round in flight (finish "timeout"); prediction is text the output is expected to mostly
-        repeat (OpenAI's Predicted Outputs), drafted for free where the output follows it, by
-        the drafter elsewhere.
-
-        structure constrains the output (`Structure("json_schema", schema)`, a regex, a Lark
-        grammar, choices): the target decodes from its masked distribution, the draft drafts
-        within it, and tokens it forces are drafted for free unless jump_forward=False.
-        logit_bias (token id: -100..100), presence_penalty and frequency_penalty (-2..2) apply
-        to draft and target alike, as OpenAI defines them. logprobs=N reports each token's
-        log-probability under the target and its N most likely alternatives (0..20).
+    def sequences(
+        self, prompt: Prompt, options: Options | None = None, n: int = 1, **changes
+    ) -> list[Sequence]:
+        """n choices of one request: its prompt tokenized once, its values checked once, its
+        grammar compiled once (each choice walks its own copy); choice i samples with seed + i.
         """
-        if max_new_tokens < 1:
+        o = replace(options or Options(), **changes)
+        if o.max_new_tokens < 1:
             raise SpecrtError(
-                f"max_new_tokens must be >= 1, got {max_new_tokens}", param="max_new_tokens"
+                f"max_new_tokens must be >= 1, got {o.max_new_tokens}", param="max_new_tokens"
             )
-        params = SamplingParams(temperature, top_k, top_p)
-        policy = self._policy(controller, min_draft, max_draft)
-        ids = self.target.vocab_size
-        source = make_drafter(drafter or self.drafter, self.draft, ids) if speculate else None
-        if prediction is not None:
-            predicted = self._predicted(prediction, source)  # checked even when not speculating
-            source = predicted if speculate else None
-        if structure is not None and ignore_eos:
+        params = SamplingParams(o.temperature, o.top_k, o.top_p)
+        first = self._choice(o)
+        ids = self.encode(prompt)
+        top = check_top(o.logprobs)
+        grammar = first[2].grammar if first[2] is not None else None
+        choices = [first, *(self._choice(o, grammar) for _ in range(n - 1))]
+        eos = frozenset() if o.ignore_eos else self.eos_token_ids
+        return [
+            Sequence(
+                ids,
+                params,
+                np.random.default_rng(seed),
+                StopRules(self.tokenizer, o.stop, eos, o.max_new_tokens),
+                policy=policy,
+                drafter=drafter,
+                constraints=constraints,
+                logprobs=top,
+                reuse_prompt=self.prompt_cache,
+                timeout=o.timeout,
+            )
+            for (policy, drafter, constraints), seed in zip(choices, o.seeds(n), strict=True)
+        ]
+
+    def _choice(self, o: Options, grammar: Grammar | None = None) -> tuple:
+        """One choice's own K policy, drafter and constraints, each value checked as it is
+        used; grammar: the request's, compiled for its first choice, copied for the others."""
+        policy = self._policy(o)
+        vocab = self.target.vocab_size
+        source = make_drafter(o.drafter or self.drafter, self.draft, vocab) if o.speculate else None
+        if o.prediction is not None:
+            predicted = self._predicted(o.prediction, source)  # checked even when not speculating
+            source = predicted if o.speculate else None
+        if o.structure is not None and o.ignore_eos:
             raise SpecrtError(
                 "ignore_eos cannot be combined with a structure: the grammar decides where the "
                 "output may end",
                 param="ignore_eos",
             )
         constraints = None
-        if structure is not None or logit_bias or presence_penalty or frequency_penalty:
+        if o.constrained:
+            if o.structure is not None:
+                grammar = grammar.copy() if grammar else self.grammars.compile(o.structure)
             constraints = Constraints(
-                self.grammars.compile(structure) if structure is not None else None,
-                logit_bias=logit_bias,
-                presence_penalty=presence_penalty,
-                frequency_penalty=frequency_penalty,
+                grammar if o.structure is not None else None,
+                logit_bias=o.logit_bias,
+                presence_penalty=o.presence_penalty,
+                frequency_penalty=o.frequency_penalty,
                 eos=self.eos_token_ids,
-                vocab=ids,
-                jump_forward=jump_forward,
+                vocab=vocab,
+                jump_forward=o.jump_forward,
             )
-        if source is not None and structure is not None:
+        if source is not None and o.structure is not None:
             source = ConstrainedDrafter(source, constraints)
-        rng = np.random.default_rng(seed)
-        ids = self.encode(prompt)
-        top = check_top(logprobs)
-        eos = frozenset() if ignore_eos else self.eos_token_ids
-        stops = StopRules(self.tokenizer, stop, eos, max_new_tokens)
-        return Sequence(
-            ids,
-            params,
-            rng,
-            stops,
-            policy=policy,
-            drafter=source,
-            constraints=constraints,
-            logprobs=top,
-            reuse_prompt=self.prompt_cache,
-            timeout=timeout,
-        )
+        return policy, source, constraints
 
-    def _policy(self, controller, min_draft: int | None, max_draft: int | None):
+    def _policy(self, o: Options):
         """The request's K policy: its spec (or the runtime's) within its bounds."""
         bounds = None
-        if min_draft is not None or max_draft is not None:
-            bounds = (min_draft or 0, self.bundle.max_draft if max_draft is None else max_draft)
+        if o.min_draft is not None or o.max_draft is not None:
+            high = self.bundle.max_draft if o.max_draft is None else o.max_draft
+            bounds = (o.min_draft or 0, high)
         bundle = self.bundle
         return make_controller(
-            controller or self.controller,
+            o.controller or self.controller,
             bundle.max_draft,
             self.costs,
             bounds=bounds,
-            k_lookup=bundle.max_lookup,
+            k_free=bundle.max_lookup,
             pool=self.acceptance,
         )
 
@@ -260,13 +247,7 @@ class SpeculativeRuntime:
                 param="prediction",
             )
         drafter = PredictionDrafter(prediction, self.tokenizer, fallback)
-        if drafter.length > self.bundle.max_context:
-            raise SpecrtError(
-                f"the prediction has {drafter.length} tokens; the bundle's max context is "
-                f"{self.bundle.max_context}",
-                param="prediction",
-                code="context_length_exceeded",
-            )
+        self._fits("prediction", drafter.length)
         return drafter
 
     def generate(self, prompt: Prompt, **options) -> Result:

@@ -12,7 +12,8 @@ accepted (`PooledAcceptance`), while both cost curves come from `StepCosts`, mea
 machine and shared across requests (costs belong to the machine, acceptance to the request).
 K = 0 (the target alone) is a choice like any other: as the batch grows, the verify call turns
 compute-bound and extra rows stop being free (SmartSpec, Liu et al. 2024, picks K from 0 per
-round the same way). At batch 1 this is the single-stream policy.
+round the same way). At batch 1 this is the single-stream policy. The arithmetic of a round's
+price is pricing.py's.
 """
 
 from __future__ import annotations
@@ -25,11 +26,10 @@ import numpy as np
 
 from specrt.errors import SpecrtError
 from specrt.runtime.costs import StepCosts
+from specrt.runtime.pricing import ROUND_LAG, price_round
 
 PROBE_AFTER = 16  # rounds at K = 0 after which an adaptive request drafts one token again...
 PROBE_COST = 1.1  # ...if the wider call costs at most this much more than the round chosen
-CATCH_UP_ROUNDS = 4  # rounds a catch-up is spread over when a request's remaining ones are unknown
-ROUND_LAG = 2  # tokens a round leaves the draft model to read: a steady cost, not a catch-up
 SWITCH_GAIN = 1.05  # a batch starts or stops the model's drafts only for this much more tok/s
 WARM_UP_K = 4  # drafts a round takes while a source cannot be priced yet
 POOL_WARM = 8.0  # drafts of a source a runtime judges (decayed) before it prices that source
@@ -37,7 +37,7 @@ POOL_WARM = 8.0  # drafts of a source a runtime judges (decayed) before it price
 
 @dataclass(frozen=True)
 class RoundContext:
-    k_max: int  # the most drafts this request can take now: its offer, budget, context room
+    room: int  # the most drafts this request can take this round: its offer, budget, context
     position: int  # tokens in the sequence so far (prompt + emitted)
     source: str = "model"  # who drafts this round: "model", "ngram", ... (see drafters)
     lag: int = 0  # tokens the draft model must catch up on before it drafts (model rounds)
@@ -52,43 +52,50 @@ class Decision:
 
 
 class Policy(Protocol):
-    """What picks one request's K: a decision a round, then what that round accepted."""
+    """What picks one request's K: a decision a round, then what that round accepted (of the
+    drafts of `source`, the offer the round was decided for).
 
+    `together`: in a batch, its K is chosen with the batch's other such policies, priced as one
+    round (`decide_together`); otherwise it decides alone, before them, and they know its K."""
+
+    together: bool
     confidence_threshold: float  # its draft stops where the draft's top probability is below
 
     def decide(self, ctx: RoundContext) -> Decision: ...
-    def observe(self, k: int, accepted: int) -> None: ...
+    def observe(self, k: int, accepted: int, source: str) -> None: ...
 
 
 class Fixed:
     """Always K (capped by what the round has room for)."""
 
+    together = False
     confidence_threshold = 0.0
 
     def __init__(self, k: int):
         self.k = k
 
     def decide(self, ctx: RoundContext) -> Decision:
-        k = min(self.k, ctx.k_max)
-        return Decision(k, "fixed" if k == self.k else f"fixed, capped to room {ctx.k_max}")
+        k = min(self.k, ctx.room)
+        return Decision(k, "fixed" if k == self.k else f"fixed, capped to room {ctx.room}")
 
-    def observe(self, k: int, accepted: int) -> None:
+    def observe(self, k: int, accepted: int, source: str = "model") -> None:
         pass
 
 
 class Heuristic:
     """transformers' rule: +2 after a round where every draft was accepted, -1 otherwise."""
 
+    together = False
     confidence_threshold = 0.0
 
     def __init__(self, k_min: int = 1, k_max: int = 8, start: int = 4):
         self.k_min, self.k_max, self.k = k_min, k_max, start
 
     def decide(self, ctx: RoundContext) -> Decision:
-        k = min(self.k, ctx.k_max)
+        k = min(self.k, ctx.room)
         return Decision(k, f"heuristic K={self.k}" + ("" if k == self.k else f", room {k}"))
 
-    def observe(self, k: int, accepted: int) -> None:
+    def observe(self, k: int, accepted: int, source: str = "model") -> None:
         if k == 0:
             return
         step = 2 if accepted == k else -1
@@ -139,14 +146,17 @@ class Adaptive:
 
     Acceptance is kept per draft source (the draft model, a lookup), since one request may be
     served by both and they accept very differently; a source's draft cost is K model steps,
-    or nothing for a lookup (see `StepCosts`), which may run to k_lookup. In a batch, the
-    adaptive requests choose together (`decide_together`): one K for model drafts, one for free
-    ones; alone, `decide` is that choice for a batch of one.
+    or nothing for a lookup (see `StepCosts`). Its K has three ceilings, each named: `k_model`
+    for the draft model's drafts, `k_free` for free ones (a lookup, a prediction: bounded by the
+    verify curve only), and the round's `RoundContext.room`. In a batch, the adaptive requests
+    choose together (`decide_together`): one K for model drafts, one for free ones; alone,
+    `decide` is that choice for a batch of one.
     """
 
+    together = True
     k_min: int = 0
-    k_max: int = 8  # drafts from the draft model
-    k_lookup: int = 8  # free drafts (a lookup, a prediction): bounded by the verify curve only
+    k_model: int = 8  # drafts from the draft model at most (the bundle's K_max)
+    k_free: int = 8  # free drafts at most
     decay: float = 0.95  # per observed token: a request's own drafts weigh its last ~20
     prior_alpha: float = 0.7  # the base of its estimate until its runtime's pool is warm
     pool_weight: float = 8.0  # drafts' worth of that base behind every estimate (see `alpha`)
@@ -155,7 +165,6 @@ class Adaptive:
     costs: StepCosts = field(default_factory=StepCosts)  # shared by the runtime's requests
     pool: PooledAcceptance | None = None  # shared too: where a source's estimate starts
     counts: dict[str, list[float]] = field(init=False, default_factory=dict)  # [acc., rej.]
-    source: str = field(init=False, default="model")  # of the round being decided
     idle: int = field(init=False, default=0)  # rounds in a row without drafting
     last_k: int | None = field(init=False, default=None)  # drafts of its last round
 
@@ -182,9 +191,10 @@ class Adaptive:
         return self.pool is not None and not self.pool.warm(source)
 
     def cap(self, ctx: RoundContext) -> tuple[int, str]:
-        """The most drafts this request takes this round, and why it is lower than K_max."""
-        bound = self.k_max if ctx.source == "model" else self.k_lookup
-        cap = min(bound, ctx.k_max)
+        """The most drafts this request takes this round, and why it is lower than its source's
+        ceiling."""
+        bound = self.k_model if ctx.source == "model" else self.k_free
+        cap = min(bound, ctx.room)
         if ctx.position > self.long_context:
             cap = min(cap, max(self.k_min, bound // 2))
             return cap, f"long context caps K at {cap}; "
@@ -193,41 +203,30 @@ class Adaptive:
     def decide(self, ctx: RoundContext) -> Decision:
         return decide_together([self], [ctx], self.costs)[0]
 
-    def observe(self, k: int, accepted: int) -> None:
+    def observe(self, k: int, accepted: int, source: str = "model") -> None:
         self.idle = 0 if k else self.idle + 1
         self.last_k = k
         if k > 0:
             rejected = 1 if accepted < k else 0  # drafts after a rejection are never judged
-            own = self.counts.setdefault(self.source, [0.0, 0.0])
+            own = self.counts.setdefault(source, [0.0, 0.0])
             fade_in(own, self.decay, accepted, rejected)
             if self.pool is not None:
-                self.pool.observe(self.source, accepted, rejected)
+                self.pool.observe(source, accepted, rejected)
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    """Tokens a round emits with k drafts at per-token acceptance alpha (the bonus included)."""
-    return (1 - alpha ** (k + 1)) / (1 - alpha)
-
-
-def decide_round(policies: Sequence, contexts: Sequence[RoundContext], costs: StepCosts):
-    """Each request's K for one round of a batch: fixed and heuristic policies (and a caller's
-    own) choose alone, and the adaptive ones choose together, knowing the others' K."""
-    alone = {
-        i: policy.decide(ctx)
-        for i, (policy, ctx) in enumerate(zip(policies, contexts, strict=True))
-        if not isinstance(policy, Adaptive)
-    }
-    joint = [i for i in range(len(policies)) if i not in alone]
-    decisions = dict(alone)
+def decide_round(policies: Sequence[Policy], contexts: Sequence[RoundContext], costs: StepCosts):
+    """Each request's K for one round of a batch: the policies that decide alone (fixed,
+    heuristic, a caller's own) first, then those that decide together, knowing the others' K."""
+    pairs = list(zip(policies, contexts, strict=True))
+    decisions = {i: p.decide(c) for i, (p, c) in enumerate(pairs) if not p.together}
+    joint = [i for i in range(len(pairs)) if i not in decisions]
     if joint:
+        others = [d.k for d in decisions.values()]
         together = decide_together(
-            [policies[i] for i in joint],
-            [contexts[i] for i in joint],
-            costs,
-            others=[d.k for d in alone.values()],
+            [policies[i] for i in joint], [contexts[i] for i in joint], costs, others
         )
         decisions.update(zip(joint, together, strict=True))
-    return [decisions[i] for i in range(len(policies))]
+    return [decisions[i] for i in range(len(pairs))]
 
 
 def decide_together(
@@ -239,36 +238,43 @@ def decide_together(
     """One K for the adaptive requests of a batch that draft by the model and one for those
     that draft for free (each capped by its own room), maximising the batch's expected tokens
     per second; `others` are the K of the batch's other requests, which pad the verify call
-    and emit at least one token each."""
-    for policy, ctx in zip(policies, contexts, strict=True):
-        policy.source = ctx.source
-    caps, notes = zip(*(p.cap(c) for p, c in zip(policies, contexts, strict=True)), strict=True)
+    and emit at least one token each. Requests whose source cannot be priced yet warm up
+    first (`_warm_ups`); the rest are priced knowing their K."""
+    capped = [p.cap(c) for p, c in zip(policies, contexts, strict=True)]
+    batch = len(policies) + len(others)
+    decisions = _warm_ups(policies, contexts, capped, costs, batch)
+    rest = [i for i in range(len(policies)) if i not in decisions]
+    if rest:
+        priced = _priced(
+            [policies[i] for i in rest],
+            [contexts[i] for i in rest],
+            [capped[i] for i in rest],
+            costs,
+            [*others, *(d.k for d in decisions.values())],
+        )
+        decisions.update(zip(rest, priced, strict=True))
+    return [decisions[i] for i in range(len(policies))]
+
+
+def _warm_ups(policies, contexts, capped, costs: StepCosts, batch: int) -> dict[int, Decision]:
+    """The requests that draft WARM_UP_K to learn, by index: those whose source has no cost
+    curve yet, and in a batch those whose runtime has not learnt the source's acceptance
+    (alone, a request learns by its probes; in a batch, no probe runs to learn)."""
+    decisions = {}
+    for i, (p, c, (cap, note)) in enumerate(zip(policies, contexts, capped, strict=True)):
+        if not costs.ready_for(c.source) or (batch > 1 and cap and p.learning(c.source)):
+            k = min(cap, max(min(p.k_min, cap), WARM_UP_K))
+            why = f"{note}warming up ({c.source} alpha={p.alpha(c.source):.2f})"
+            decisions[i] = Decision(k, why)
+    return decisions
+
+
+def _priced(policies, contexts, capped, costs: StepCosts, others) -> list[Decision]:
+    """The best-priced pair of K (model drafts, free drafts) for these requests, kept on course
+    (`_keep_course`), and a probe where one is cheap (`_probed`)."""
+    caps = [cap for cap, _ in capped]
     lows = [min(p.k_min, cap) for p, cap in zip(policies, caps, strict=True)]
     sources = [c.source for c in contexts]
-    batch = len(policies) + len(others)
-    warming = [  # alone, a request learns by its probes; in a batch, no probe runs to learn
-        i
-        for i, (p, s, cap) in enumerate(zip(policies, sources, caps, strict=True))
-        if not costs.ready_for(s) or (batch > 1 and cap and p.learning(s))
-    ]
-    if warming:
-        warm_up = {
-            i: Decision(
-                min(caps[i], max(lows[i], WARM_UP_K)),
-                f"{notes[i]}warming up ({sources[i]} alpha={policies[i].alpha(sources[i]):.2f})",
-            )
-            for i in warming
-        }
-        rest = [i for i in range(len(policies)) if i not in warm_up]
-        if rest:  # the others choose together, knowing the warming requests' K
-            chosen = decide_together(
-                [policies[i] for i in rest],
-                [contexts[i] for i in rest],
-                costs,
-                [*others, *(d.k for d in warm_up.values())],
-            )
-            warm_up.update(zip(rest, chosen, strict=True))
-        return [warm_up[i] for i in range(len(policies))]
     alphas = [min(p.alpha(s), 0.999) for p, s in zip(policies, sources, strict=True)]
     lags = [(c.lag, c.remaining) for c in contexts]
     options = []
@@ -284,23 +290,31 @@ def decide_together(
         if c.source == "model"
     )
     rate, draft, verify, ks = _keep_course(options, sources, drafting)
+    batch = len(policies) + len(others)
     base = costs.verify_cost(batch)  # the batch's call at K = 0
     shares = f"c_draft(K)/c_verify={draft / base:.2f} c_verify(K)/c_verify(0)={verify / base:.2f}"
     size = f"batch {batch}: " if batch > 1 else ""
-    # A probe widens the whole call to 2 tokens a row and may first catch the draft model up on
-    # every token since it last drafted. In a batch everyone waits for both, so a probe goes
-    # ahead only where the round stays within PROBE_COST of its price, one request per round;
-    # alone, a request delays only itself and spreads its catch-up over its idle rounds.
+    reasons = [
+        f"{size}{note}{c.source} alpha={alpha:.2f} {shares} -> {rate:.1f} tok/s"
+        for (_, note), c, alpha in zip(capped, contexts, alphas, strict=True)
+    ]
+    return _probed(policies, contexts, caps, ks, reasons, costs, batch, draft + verify)
+
+
+def _probed(policies, contexts, caps, ks, reasons, costs: StepCosts, batch, price) -> list:
+    """The decisions, one request probing acceptance (K = 1) after PROBE_AFTER rounds without
+    drafts where that is cheap. A probe widens the whole call to 2 tokens a row and may first
+    catch the draft model up on every token since it last drafted. In a batch everyone waits
+    for both, so a probe goes ahead only where the round stays within PROBE_COST of its price,
+    one request per round; alone, a request delays only itself and spreads its catch-up over
+    its idle rounds."""
     wider = costs.verify_cost(batch * max(2, max(ks) + 1))
     probed = False
     decisions = []
-    for policy, k, cap, note, ctx, alpha in zip(
-        policies, ks, caps, notes, contexts, alphas, strict=True
-    ):
-        why = f"{size}{note}{ctx.source} alpha={alpha:.2f} {shares} -> {rate:.1f} tok/s"
+    for policy, k, cap, why, ctx in zip(policies, ks, caps, reasons, contexts, strict=True):
         catch_up = costs.catch_up_cost(ctx.lag) if ctx.source == "model" else 0.0
         share = catch_up if batch > 1 else catch_up / max(policy.idle, 1)
-        cheap_probe = not probed and wider + share <= PROBE_COST * (draft + verify)
+        cheap_probe = not probed and wider + share <= PROBE_COST * price
         if k == 0 and cap > 0 and policy.idle >= PROBE_AFTER and cheap_probe:
             k, why = 1, f"{why}; probing acceptance after {policy.idle} rounds without drafts"
             probed = True
@@ -339,74 +353,27 @@ def _pairs_of_k(caps, sources) -> list[tuple[int, int]]:
     return [(k_model, k_free) for k_model in range(model + 1) for k_free in range(free + 1)]
 
 
-def price_round(ks, alphas, sources, lags, others, costs: StepCosts) -> tuple[float, float, float]:
-    """Expected tokens per second of a round where the joint requests draft ks, and the
-    seconds of its draft steps (their catch-ups included: a request that drafted at K = 0 for
-    a while must first feed the draft model what it missed, and in a busy batch every other
-    request waits for it) and of its verify call. lags: (lag, remaining tokens) per request."""
-    width = max([*ks, *others]) + 1
-    drafting = [
-        (k, alpha, lag)
-        for k, alpha, s, lag in zip(ks, alphas, sources, lags, strict=True)
-        if s == "model" and k
-    ]
-    k_draft = max((k for k, _, _ in drafting), default=0)
-    first = first_step_rows([(k, alpha) for k, alpha, _ in drafting])
-    draft = costs.draft_cost("model", k_draft, len(drafting), first)
-    draft += sum(
-        _catch_up_share(costs, k, alpha, *lag) for k, alpha, lag in drafting if lag[0] > ROUND_LAG
-    )
-    verify = costs.verify_cost((len(ks) + len(others)) * width)
-    tokens = len(others) + sum(map(expected_tokens, alphas, ks))
-    return tokens / (draft + verify), draft, verify
-
-
-def first_step_rows(drafting: Sequence[tuple[int, float]]) -> float:
-    """Expected rows of a round's first draft step, for requests drafting (K, alpha) each, in
-    steady state. The draft model never reads its own last proposal, so after a round that kept
-    all K drafts a request feeds it two tokens (that draft and the target's), else one; the
-    batched step is padded to its widest request. Priced as one token a request, the draft of
-    4 requests at K = 1 cost 1.7x its estimate (measured: 44 ms a round where the curve said
-    26 ms), and the policy drafted at 4 clients where the target alone was faster."""
-    if not drafting:
-        return 0.0
-    none_kept_all = float(np.prod([1 - alpha**k for k, alpha in drafting]))
-    return len(drafting) * (2 - none_kept_all)
-
-
-def _catch_up_share(
-    costs: StepCosts, k: int, alpha: float, lag: int, remaining: int | None
-) -> float:
-    """A catch-up is paid once and serves every later round of the request, so its price is
-    spread over the rounds the request's remaining tokens take at this K: early in a long
-    answer it is cheap, near the end it is not. A fixed spread (CATCH_UP_ROUNDS) priced a long
-    idle stretch so dear that a busy batch never drafted again (measured at 8 clients: K = 0
-    throughout, where K = 2 gave 1.13x the target alone)."""
-    if remaining is None:
-        return costs.catch_up_cost(lag) / CATCH_UP_ROUNDS
-    return costs.catch_up_cost(lag) / max(1.0, remaining / expected_tokens(alpha, k))
-
-
 def make_controller(
     spec,
     k_max: int,
     costs: StepCosts | None = None,
     *,
     bounds: tuple[int, int] | None = None,
-    k_lookup: int | None = None,
+    k_free: int | None = None,
     pool: PooledAcceptance | None = None,
 ):
     """`fixed:K`, `heuristic` or `adaptive`; K must fit the bundle's K_max. `adaptive` reads and
     refines `costs` when given (the runtime's shared, calibrated ones), else learns its own,
     starts each source's acceptance from `pool` (the runtime's other requests) where it has
-    seen that source, and lets free drafts (a lookup, a prediction) run to k_lookup (default:
+    seen that source, and lets free drafts (a lookup, a prediction) run to k_free (default:
     K_max).
 
     bounds = (lowest, highest) K the caller allows (llama.cpp's `speculative.n_min/n_max`):
     the highest is capped at K_max, the lowest must fit under it, and a fixed K must lie inside.
 
-    Anything else with `decide`, `observe` and `confidence_threshold` is a policy already and is
-    used as given (one instance per request, since policies keep per-request state).
+    Anything else is taken as a policy already (the `Policy` protocol: `together`, `decide`,
+    `observe`, `confidence_threshold`) and used as given (one instance per request, since
+    policies keep per-request state).
     """
     if not isinstance(spec, str):
         return spec
@@ -431,11 +398,11 @@ def make_controller(
     if name == "heuristic":
         low = max(low, 1)
         return Heuristic(k_min=low, k_max=high, start=int(np.clip(4, low, high)))
-    lookup = k_lookup or k_max
+    lookup = k_free or k_max
     if bounds:
         lookup = min(lookup, bounds[1])  # the caller's highest K bounds free drafts too
     costs = costs or StepCosts()
-    return Adaptive(k_min=low, k_max=high, k_lookup=lookup, costs=costs, pool=pool)
+    return Adaptive(k_min=low, k_model=high, k_free=lookup, costs=costs, pool=pool)
 
 
 def _check_bounds(bounds: tuple[int, int] | None, k_max: int) -> tuple[int, int]:

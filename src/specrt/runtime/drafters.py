@@ -66,7 +66,9 @@ class Drafter(Protocol):
         rng: np.random.Generator,
         threshold: float,
     ) -> Proposal:
-        """Up to k tokens after seq (the last offer's source proposes them)."""
+        """Up to k tokens after seq (the last offer's source proposes them). Never asked of a
+        "model" offer: the round drafts those by `draft_together`, all requests at once, so
+        `ModelDrafter` has no `propose`."""
 
     def rollback(self, length: int) -> None:
         """Only the first `length` tokens of the sequence survived the round."""
@@ -110,9 +112,6 @@ class ModelDrafter:
 
     def offer(self, seq: Sequence[int], limit: int) -> Offer:
         return Offer("model", limit, len(seq) - self.engine.lengths[self.slot])
-
-    def propose(self, seq, k, params, rng, threshold) -> Proposal:
-        return draft_together([DraftJob(self, seq, k, params, rng, threshold)])[0][0]
 
     def rollback(self, length: int) -> None:
         self.engine.rollback(min(self.engine.lengths[self.slot], length), self.slot)

@@ -183,6 +183,11 @@ class Grammar:
             self._masks[position] = mask
         return mask
 
+    def copy(self) -> Grammar:
+        """The same grammar, standing where this one stands, walked on its own (another choice
+        of one request: compiled once)."""
+        return Grammar(self.matcher.deep_copy(), self.vocab)
+
     def consume(self, token: int) -> None:
         """Take a token the grammar allows (a caller checks with `accepts` or the mask)."""
         if not self.matcher.consume_token(token):

@@ -106,28 +106,37 @@ def speculate(reqs: list[Sequence], target: Engine, costs: StepCosts) -> Round:
     )
     t2 = time.perf_counter()
     accepted, emitted, logprobs = [], [], []
-    for r, p, scores in zip(reqs, proposals, logits, strict=True):
-        if r.constraints is not None:
-            scores = r.constraints.apply_rows(scores, p.tokens)
-        if r.params.greedy:
-            n, extra = verify_greedy(p.tokens, scores)
-        else:
-            n, extra = verify_sampled(p.tokens, p.probs, scores, r.params, r.rng)
-        target.rollback(len(r.tokens) + n, r.slot)
-        if r.drafter is not None:
-            r.drafter.rollback(len(r.tokens) + n)
-        kept = [*p.tokens[:n], extra]
-        if r.constraints is not None:
-            r.constraints.close_round(kept)
-        r.tokens.extend(kept)
-        r.policy.observe(len(p.tokens), n)
+    for r, p, o, scores in zip(reqs, proposals, offers, logits, strict=True):
+        n, kept, entries = _accept(r, p, scores, target)
+        r.policy.observe(len(p.tokens), n, o.source)
         accepted.append(n)
         emitted.append(kept)
-        logprobs.append(_logprobs(r, scores, kept))
+        logprobs.append(entries)
     drafted = [len(p.tokens) for p in proposals]
     _observe_costs(costs, drafted, steps, t2 - t1)
     sources = [o.source if n else "none" for o, n in _pairs(offers, drafted)]
     return Round(decisions, sources, drafted, accepted, emitted, t1 - t0, t2 - t1, logprobs)
+
+
+def _accept(r: Sequence, p: Proposal, scores, target: Engine) -> tuple:
+    """Verify one request's drafts against its rows (processed at their positions where it is
+    constrained), keep the accepted ones and the target's token, and roll the target's slot
+    and the drafter back to them: how many drafts were kept, the tokens emitted, and their
+    log-probabilities where asked."""
+    if r.constraints is not None:
+        scores = r.constraints.apply_rows(scores, p.tokens)
+    if r.params.greedy:
+        n, extra = verify_greedy(p.tokens, scores)
+    else:
+        n, extra = verify_sampled(p.tokens, p.probs, scores, r.params, r.rng)
+    target.rollback(len(r.tokens) + n, r.slot)
+    if r.drafter is not None:
+        r.drafter.rollback(len(r.tokens) + n)
+    kept = [*p.tokens[:n], extra]
+    if r.constraints is not None:
+        r.constraints.close_round(kept)
+    r.tokens.extend(kept)
+    return n, kept, _logprobs(r, scores, kept)
 
 
 def _logprobs(req: Sequence, rows, tokens: list[int]) -> list[TokenLogprob]:

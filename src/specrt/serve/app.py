@@ -47,7 +47,7 @@ class Server:
                 param="model",
                 code="model_not_found",
             )
-        streams = await self._open(body.choices())
+        streams = await self.service.open(body)
         watcher = asyncio.create_task(self._watch_disconnect(request, streams))
         streaming = False
         try:
@@ -69,18 +69,6 @@ class Server:
                 watcher.cancel()
                 for stream in streams:
                     stream.cancel()  # a no-op once done; otherwise this handler was cancelled
-
-    async def _open(self, bodies: list) -> list[Stream]:
-        """A stream per choice; if one cannot be queued (full, bad values), none stays."""
-        streams: list[Stream] = []
-        try:
-            for one in bodies:
-                streams.append(await self.service.open(one))
-        except BaseException:
-            for stream in streams:
-                stream.cancel()
-            raise
-        return streams
 
     async def _result(self, stream: Stream, event: Event) -> Result:
         while isinstance(event, Delta):

@@ -22,7 +22,7 @@ from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from specrt.runtime import Structure
+from specrt.runtime import Options, Structure
 from specrt.serve.errors import APIError
 from specrt.serve.tools import Tools
 
@@ -180,7 +180,8 @@ class _Request(BaseModel):
     def parses_tool_calls(self) -> bool:
         return False
 
-    def tool_plan(self) -> Tools | None:
+    def tool_plan(self, structure: Structure | None) -> Tools | None:
+        """The request's tools, checked against the structure it asked for (None: no tools)."""
         return None
 
     @property
@@ -191,34 +192,37 @@ class _Request(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def runtime_options(self, default_speculation: str, default_drafter: str | None) -> dict:
-        """Keyword arguments for `SpeculativeRuntime.stream` (max_new_tokens is the caller's:
-        its default depends on the prompt's length)."""
+    def options(self, default_speculation: str, default_drafter: str | None) -> tuple[Options, str]:
+        """The request's `Options` (max_new_tokens and timeout are the service's: the default
+        depends on the prompt's length), and the field that asked for its structure (it names
+        errors)."""
+        structure, field = self.structure()
         asked = self.speculation
         if not isinstance(asked, Speculation):
             asked = Speculation(controller=asked)
         spec = asked.controller or default_speculation
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return {
-            "temperature": 1.0 if self.temperature is None else self.temperature,
-            "top_p": 1.0 if self.top_p is None else self.top_p,
-            "top_k": self.top_k or 0,
-            "seed": self.seed,
-            "stop": stop,
-            "speculate": spec != "off",
-            "controller": None if spec == "off" else spec,
-            "drafter": asked.drafter or default_drafter,
-            "min_draft": self.n_min,
-            "max_draft": self.n_max,
-            "ignore_eos": self.ignore_eos,
-            "prediction": self.prediction.text if self.prediction else None,
-            "jump_forward": asked.jump_forward is not False,
-            "structure": self.structure()[0],
-            "logit_bias": _token_ids(self.logit_bias),
-            "presence_penalty": self.presence_penalty or 0.0,
-            "frequency_penalty": self.frequency_penalty or 0.0,
-            "logprobs": self.logprobs_count(),
-        }
+        options = Options(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            seed=self.seed,
+            stop=stop,
+            speculate=spec != "off",
+            controller=None if spec == "off" else spec,
+            drafter=asked.drafter or default_drafter,
+            min_draft=self.n_min,
+            max_draft=self.n_max,
+            ignore_eos=self.ignore_eos,
+            prediction=self.prediction.text if self.prediction else None,
+            jump_forward=asked.jump_forward is not False,
+            structure=structure,
+            logit_bias=_token_ids(self.logit_bias),
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            logprobs=self.logprobs_count(),
+        )
+        return options, field
 
 
 class CompletionRequest(_Request):
@@ -320,14 +324,15 @@ class ChatRequest(_Request):
 
     @property
     def parses_tool_calls(self) -> bool:
-        plan = self.tool_plan()
-        return plan is not None and plan.parses
+        """Whether the output is parsed for tool calls (`Tools.parses`, read without building
+        the plan again)."""
+        return bool(self.tools) and self.tool_choice != "none"
 
-    def tool_plan(self) -> Tools | None:
+    def tool_plan(self, structure: Structure | None) -> Tools | None:
         if not self.tools:
             return None
         plan = Tools(self.tools, self.tool_choice, self.parallel_tool_calls)
-        if plan.choice not in ("auto", "none") and self.structure()[0] is not None:
+        if plan.choice not in ("auto", "none") and structure is not None:
             raise APIError(
                 "invalid",
                 "a required or named tool call and a response format cannot both be enforced",

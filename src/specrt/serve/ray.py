@@ -142,7 +142,7 @@ class EngineReplica:
         cancels the request."""
         yield self.replica
         try:
-            stream = await self.service.open(body)
+            (stream,) = await self.service.open(body)  # the ingress sends a choice a call
         except APIError as err:
             yield Failed(err)
             return
@@ -225,7 +225,20 @@ class RayService:
             self._card = await self.engine.model_card.remote()
         return self._card
 
-    async def open(self, body: Body) -> RayStream:
+    async def open(self, body: Body) -> list[RayStream]:
+        """Each choice to a replica of its own choosing (n = 1 each); if one cannot be queued,
+        none stays."""
+        streams: list[RayStream] = []
+        try:
+            for choice in body.choices():
+                streams.append(await self._open(choice))
+        except BaseException:
+            for stream in streams:
+                stream.cancel()
+            raise
+        return streams
+
+    async def _open(self, body: Body) -> RayStream:
         events = self.engine.options(stream=True).events.remote(body)
         try:
             replica = await events.__anext__()

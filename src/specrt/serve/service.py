@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import replace
 from typing import Protocol
 
 from starlette.concurrency import run_in_threadpool
@@ -49,8 +50,9 @@ class Service(Protocol):
     def stop(self) -> None: ...
     async def health(self) -> tuple[str, dict]: ...
     async def model_card(self) -> dict: ...
-    async def open(self, body: Body) -> Stream:
-        """Queue a request (raises APIError when it cannot be: not ready, bad values, full)."""
+    async def open(self, body: Body) -> list[Stream]:
+        """Queue a request, a stream per choice (raises APIError when it cannot be: not ready,
+        bad values, full; then none of its choices stays queued)."""
         ...
 
 
@@ -145,18 +147,19 @@ class LocalService:
             }
         return card
 
-    def sequence(self, body: Body) -> Sequence:
-        """The runtime's sequence for a request (tokenizes: call it off the event loop)."""
+    def sequences(self, body: Body) -> list[Sequence]:
+        """The runtime's sequences for a request, one per choice (tokenizes: call it off the
+        event loop)."""
         runtime, limit = self.runtime, body.token_limit
         prompt_field = "messages" if isinstance(body, ChatRequest) else "prompt"
-        options = body.runtime_options(self.settings.controller, self.settings.drafter)
-        tools, asked = body.tool_plan(), body.structure()[1]
+        options, asked = body.options(self.settings.controller, self.settings.drafter)
         try:
+            tools = body.tool_plan(options.structure)
             if tools is not None:
                 tools.check_template(runtime.tokenizer.chat_template)
                 structure = tools.structure(runtime.grammars)
                 if structure is not None:
-                    options["structure"], asked = structure, "tool_choice"
+                    options, asked = replace(options, structure=structure), "tool_choice"
             ids = runtime.encode(body.prompt_input(), tools.rendered if tools else None)
             room = runtime.bundle.max_context - len(ids)
             if limit is not None and limit > room:
@@ -167,21 +170,22 @@ class LocalService:
                     param="max_tokens",
                     code="context_length_exceeded",
                 )
-            return runtime.sequence(
-                ids,
-                max_new_tokens=min(limit or body.default_max_tokens or room, room),
-                timeout=self.settings.timeout,
-                **options,
-            )
+            maximum = min(limit or body.default_max_tokens or room, room)
+            options = replace(options, max_new_tokens=maximum, timeout=self.settings.timeout)
+            return runtime.sequences(ids, options, body.n)
         except SpecrtError as err:
             renames = {"structure": asked}
             raise APIError.from_specrt(err, prompt_field, renames) from err
 
-    async def open(self, body: Body) -> Job:
+    async def open(self, body: Body) -> list[Job]:
+        """A job per choice, queued together: if one cannot be (the queue is full), none stays."""
         _, worker = self.ready()
-        job = Job(await run_in_threadpool(self.sequence, body))
+        jobs = [Job(sequence) for sequence in await run_in_threadpool(self.sequences, body)]
         try:
-            worker.submit(job)
+            for job in jobs:
+                worker.submit(job)
         except SpecrtError as err:  # full, or shutting down
+            for job in jobs:
+                job.cancel()
             raise APIError.from_specrt(err) from err
-        return job
+        return jobs

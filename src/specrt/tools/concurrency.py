@@ -34,14 +34,9 @@ from specrt.runtime import Scheduler, SpeculativeRuntime
 from specrt.runtime import Sequence as Running
 from specrt.runtime.sequence import per_token_latencies
 from specrt.tools import llamacpp
-from specrt.tools.bench import (
-    current_rss_mb,
-    fmt,
-    padding_lines,
-    prompt_input,
-    row_padding,
-    write_report,
-)
+from specrt.tools.bench import current_rss_mb, row_padding
+from specrt.tools.prompts import prompt_input
+from specrt.tools.report import fmt, padding_lines, write_report
 
 Log = Callable[[str], None]
 LLAMA = "llama.cpp"  # the bundle label of llama-server's rows

@@ -147,7 +147,7 @@ class _Request:
         accepted = 0
         while accepted < drafted and self.trace.agrees[self.pos + accepted]:
             accepted += 1
-        self.policy.observe(drafted, accepted)
+        self.policy.observe(drafted, accepted, "model")
         self.ks.append(k)
         self.accepted.append(accepted)
         if drafted:  # it read `steps - 1` drafts, then was rolled back to the accepted ones

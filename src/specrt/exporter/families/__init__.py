@@ -2,9 +2,11 @@
 
 The graph writer asks its family for the few things that differ in kind: how a norm applies its
 weight, what scales the embeddings and the attention scores, the MLP's activation, where the
-norms sit around each block, soft-capping, which rotary table a layer uses. What is data is read
-from the config and the weights for every family alike: biases, q/k norms, sliding windows,
-rope scaling, fused projections, tied heads.
+norms sit around each block, soft-capping, which rotary table a layer uses, which layers slide
+a window, how far its rope scaling reaches, and how llama.cpp's converter stores its weights
+in a GGUF file (q/k rows interleaved, norms offset). What is data is read from the config and
+the weights for every family alike: biases, q/k norms, rope scaling, fused projections, tied
+heads.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ class Family:
     model_types: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "phi3")
     activation_field = "hidden_act"
     activations: tuple[str, ...] = ("silu",)
-    norm_offset = 0.0  # a norm's scale is offset + weight
+    norm_offset = 0.0  # a norm's scale is offset + weight (a GGUF file stores the sum)
+    # GGUF architectures whose q/k rows llama.cpp's converter interleaves for its rotary kernel
+    gguf_interleaved_qk: tuple[str, ...] = ("llama",)
     sandwich = False  # norms after attention and the MLP as well as before (Gemma 2/3)
 
     def __init__(self, config):
@@ -48,6 +52,33 @@ class Family:
     def rope_key(self, layer: int) -> str | None:
         """Which rotary table layer `layer` uses (None: the model's one table)."""
         return None
+
+    def windows(self) -> list[int | None]:
+        """Each layer's sliding window (None: it sees its whole prefix), as transformers
+        applies them: per `layer_types` where the config lists them (Qwen2/Qwen3 with
+        use_sliding_window, Gemma 2/3), else `sliding_window` on every layer (Mistral)."""
+        config = self.config
+        window = getattr(config, "sliding_window", None)
+        types = getattr(config, "layer_types", None)
+        if types:
+            return [window if kind == "sliding_attention" else None for kind in types]
+        return [window] * config.num_hidden_layers
+
+    def check_capacity(self, capacity: int) -> None:
+        """Refuse a cache its rotary cannot cover with one table: longrope (Phi-3.5, Phi-4-mini)
+        turns to its long factors for the whole sequence once it passes its original length."""
+        config = self.config
+        parameters = getattr(config, "rope_parameters", None) or {}
+        original = parameters.get("original_max_position_embeddings") or getattr(
+            config, "original_max_position_embeddings", None
+        )
+        if parameters.get("rope_type") == "longrope" and original and capacity > original:
+            raise SpecrtError(
+                "config.rope_parameters: longrope turns to its long factors for the whole "
+                f"sequence once it passes original_max_position_embeddings ({original}); a "
+                f"cache of {capacity} positions cannot hold both: build with a smaller "
+                "--max-context"
+            )
 
     def activation(self, b, gate: str) -> str:
         """SiLU: gate * sigmoid(gate)."""

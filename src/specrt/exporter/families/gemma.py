@@ -28,6 +28,7 @@ class Gemma2(Family):
     activations = ("gelu_pytorch_tanh",)
     norm_offset = 1.0
     sandwich = True
+    gguf_interleaved_qk = ()
 
     def embed_scale(self) -> float | None:
         return self.config.hidden_size**0.5

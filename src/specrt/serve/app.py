@@ -156,7 +156,8 @@ def create_app(
     async def health() -> JSONResponse:
         status, detail = await service.health()
         return JSONResponse(
-            {"status": status, **detail}, status_code=200 if status == "ok" else 503
+            {"status": status, **detail},
+            status_code=200 if status == "ok" else errors.status_of("unavailable"),
         )
 
     @app.get("/v1/models")

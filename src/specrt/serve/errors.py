@@ -29,6 +29,12 @@ KINDS = {
 }
 STATUSES = {status: kind for kind, (status, _, _) in KINDS.items()}
 
+
+def status_of(kind: str) -> int:
+    """The HTTP status of an error kind (for answers that are not an error body: /health)."""
+    return KINDS[kind][0]
+
+
 # The Python API's argument names, as the HTTP API spells them.
 API_PARAMS = {
     "max_new_tokens": "max_tokens",

@@ -117,8 +117,10 @@ def _sequence(prompt, params, new, rng, policy, drafter, slot, constraints=None)
     """A sequence in its slot, driven round by round below the scheduler (no text: no
     tokenizer for its stop rules)."""
     stops = StopRules(None, (), frozenset(), new)
-    sequence = Sequence(prompt, params, rng, stops, policy=policy, drafter=drafter)
-    sequence.constraints, sequence.slot = constraints, slot
+    sequence = Sequence(
+        prompt, params, rng, stops, policy=policy, drafter=drafter, constraints=constraints
+    )
+    sequence.slot = slot
     return sequence
 
 

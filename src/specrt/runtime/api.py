@@ -211,7 +211,7 @@ class SpeculativeRuntime:
             if o.structure is not None:
                 grammar = grammar.copy() if grammar else self.grammars.compile(o.structure)
             constraints = Constraints(
-                grammar if o.structure is not None else None,
+                grammar,  # None without a structure: the first choice passes none
                 logit_bias=o.logit_bias,
                 presence_penalty=o.presence_penalty,
                 frequency_penalty=o.frequency_penalty,

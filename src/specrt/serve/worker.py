@@ -57,8 +57,7 @@ class Worker:
     def __init__(
         self, runtime: SpeculativeRuntime, max_batch: int, max_queue: int, metrics: Metrics
     ):
-        self.runtime, self.max_batch = runtime, max_batch
-        self.max_queue, self.metrics = max_queue, metrics
+        self.metrics = metrics
         self.scheduler = Scheduler(
             runtime.target, runtime.costs, max_batch, runtime.prefill_chunk, max_queue
         )
@@ -84,7 +83,7 @@ class Worker:
                 self.scheduler.add(job.sequence)
             except Busy as err:
                 self.metrics.rejected.inc()
-                turns = (1 + self.scheduler.depth) / self.max_batch
+                turns = (1 + self.scheduler.depth) / self.scheduler.slots
                 err.retry_after = max(1, round(self._service_seconds * turns))
                 raise
             self._jobs[job.sequence] = job

@@ -58,7 +58,7 @@ def test_adaptive_climbs_to_k_max_when_every_draft_is_accepted():
     policy = Adaptive(k_model=8, costs=costs)
     ks = []
     for _ in range(12):
-        k = policy.decide(RoundContext(room=8, position=20)).k
+        k = policy.decide(RoundContext(room=8, position=20, remaining=256)).k
         _observe(policy, k, k, 0.001 * k, 0.010)
         ks.append(k)
     assert ks[-6:] == [8] * 6 and ks[0] < 8
@@ -122,7 +122,7 @@ def test_a_steep_verify_curve_means_shorter_speculation():
     """Same acceptance and draft cost; only the measured verify curve differs."""
     flat = {n: 0.100 + 0.002 * (n - 1) for n in range(1, 10)}  # weight-bound float32
     steep = {n: 0.040 + 0.015 * (n - 1) for n in range(1, 10)}  # compute-bound int4
-    ctx = RoundContext(room=8, position=10)
+    ctx = RoundContext(room=8, position=10, remaining=256)
     k_flat = _policy_with(flat, 0.8).decide(ctx).k
     k_steep = _policy_with(steep, 0.8).decide(ctx).k
     # Hand-computed: E(K) / (0.01 K + c(K+1)) peaks at K=5 for the flat curve (23.1 tok/s) and
@@ -169,7 +169,7 @@ def test_k_falls_as_the_batch_grows():
     chosen = {}
     for size in (1, 2, 4, 8, 16):
         policies = [Adaptive(costs=costs, prior_alpha=0.7) for _ in range(size)]
-        contexts = [RoundContext(room=8, position=50)] * size
+        contexts = [RoundContext(room=8, position=50, remaining=256)] * size
         decisions = decide_together(policies, contexts, costs)
         assert len({d.k for d in decisions}) == 1  # one K for the batch
         chosen[size] = decisions[0].k
@@ -181,7 +181,7 @@ def test_k_falls_as_the_batch_grows():
 def test_each_request_keeps_its_own_room_and_fixed_requests_pad_the_call():
     costs = _batch_costs()
     policies = [Adaptive(costs=costs), Adaptive(costs=costs), Fixed(6)]
-    contexts = [RoundContext(8, 50), RoundContext(1, 50), RoundContext(8, 50)]
+    contexts = [RoundContext(8, 50, 256), RoundContext(1, 50, 256), RoundContext(8, 50, 256)]
     decisions = decide_round(policies, contexts, costs)
     assert decisions[2].k == 6  # a fixed request decides alone
     assert decisions[1].k <= 1  # room for one draft only
@@ -192,7 +192,7 @@ def test_each_request_keeps_its_own_room_and_fixed_requests_pad_the_call():
 def test_a_request_without_drafts_is_probed_now_and_then():
     costs = _batch_costs()
     policy = Adaptive(costs=costs, prior_alpha=0.01)
-    ctx = RoundContext(room=8, position=50)
+    ctx = RoundContext(room=8, position=50, remaining=256)
     for _ in range(PROBE_AFTER):
         assert policy.decide(ctx).k == 0
         policy.observe(0, 0)
@@ -212,11 +212,11 @@ def test_the_first_draft_step_is_priced_with_what_the_draft_has_not_read():
     assert first_step_rows([(1, 0.85)]) == pytest.approx(1.85)
     assert first_step_rows([(1, 0.85)] * 4) == pytest.approx(4 * (2 - 0.15**4))
     batch = [Adaptive(costs=costs, prior_alpha=0.85) for _ in range(4)]
-    assert [d.k for d in decide_together(batch, [RoundContext(8, 100)] * 4, costs)] == [0] * 4
+    assert [d.k for d in decide_together(batch, [RoundContext(8, 100, 256)] * 4, costs)] == [0] * 4
     one_row_each = 4 * expected_tokens(0.85, 1) / (costs.draft_cost("model", 1, 4) + verify[8])
     assert one_row_each > 1.05 * 4 / verify[4]  # the old price: K = 1 looked better
     alone = Adaptive(costs=costs, prior_alpha=0.85)
-    assert alone.decide(RoundContext(8, 100)).k >= 1  # one request still drafts
+    assert alone.decide(RoundContext(8, 100, 256)).k >= 1  # one request still drafts
 
 
 def test_a_new_request_starts_from_the_acceptance_its_runtime_has_seen():
@@ -226,7 +226,7 @@ def test_a_new_request_starts_from_the_acceptance_its_runtime_has_seen():
     requests accepted (above 0.9 here) draft, then follow their own drafts; a runtime that has
     judged none yet drafts to learn (warming up), and prices from what it learnt."""
     costs = gguf_costs()
-    contexts = [RoundContext(8, 100)] * 2
+    contexts = [RoundContext(8, 100, 256)] * 2
     prior_only = [Adaptive(costs=costs, prior_alpha=0.7) for _ in range(2)]
     assert [d.k for d in decide_together(prior_only, contexts, costs)] == [0, 0]  # the trap
     pool = PooledAcceptance()
@@ -234,7 +234,7 @@ def test_a_new_request_starts_from_the_acceptance_its_runtime_has_seen():
     first = decide_together(fresh, contexts, costs)
     assert [d.k for d in first] == [WARM_UP_K] * 2 and "warming up" in first[0].reason
     earlier = Adaptive(costs=costs, prior_alpha=0.7, pool=pool)
-    earlier.decide(RoundContext(8, 100))
+    earlier.decide(RoundContext(8, 100, 256))
     for accepted in [4] * 8 + [3] * 2:
         earlier.observe(4, accepted)
     assert pool.warm("model") and pool.alpha("model") > 0.9
@@ -247,7 +247,7 @@ def test_a_new_request_starts_from_the_acceptance_its_runtime_has_seen():
     learnt = [Adaptive(costs=costs, prior_alpha=0.7, pool=poor) for _ in range(2)]
     assert [d.k for d in decide_together(learnt, contexts, costs)] == [0, 0]
     alone = Adaptive(costs=costs, prior_alpha=0.7, pool=PooledAcceptance())
-    assert "warming up" not in alone.decide(RoundContext(8, 100)).reason  # alone, probes learn
+    assert "warming up" not in alone.decide(RoundContext(8, 100, 256)).reason  # alone, probes learn
     assert make_controller("adaptive", 8, costs, pool=pool).pool is pool
 
 
@@ -261,11 +261,11 @@ def test_one_rejected_draft_does_not_end_a_requests_drafting():
     pool = PooledAcceptance()
     pool.observe("model", 45, 5)
     batch = [Adaptive(costs=costs, pool=pool) for _ in range(2)]
-    first = decide_together(batch, [RoundContext(8, 100)] * 2, costs)
+    first = decide_together(batch, [RoundContext(8, 100, 256)] * 2, costs)
     assert min(d.k for d in first) >= 1
     for policy, decision in zip(batch, first, strict=True):
         policy.observe(decision.k, 0)
-    after = decide_together(batch, [RoundContext(8, 100, lag=1)] * 2, costs)
+    after = decide_together(batch, [RoundContext(8, 100, 256, lag=1)] * 2, costs)
     assert min(d.k for d in after) >= 1
     assert 0.7 < batch[0].alpha() < pool.alpha("model")
     loner = Adaptive(costs=costs, prior_alpha=0.7)  # without a pool, the prior is the base
@@ -281,7 +281,7 @@ def test_only_the_requests_of_a_source_not_yet_learnt_warm_up():
     pool = PooledAcceptance()
     pool.observe("model", 2, 8)
     policies = [Adaptive(costs=costs, pool=pool) for _ in range(2)]
-    lookup, model = RoundContext(8, 100, source="ngram"), RoundContext(8, 100)
+    lookup, model = RoundContext(8, 100, 256, source="ngram"), RoundContext(8, 100, 256)
     warming, priced = decide_together(policies, [lookup, model], costs)
     assert warming.k == WARM_UP_K and "warming up (ngram" in warming.reason
     assert priced.k == 0 and "tok/s" in priced.reason
@@ -301,7 +301,7 @@ def test_a_batch_keeps_its_course_where_drafting_and_the_target_alone_price_alik
         batch = [Adaptive(costs=costs, prior_alpha=0.9) for _ in range(4)]
         for policy in batch:
             policy.observe(last_k, last_k)
-        return [d.k for d in decide_together(batch, [RoundContext(8, 100, lag=2)] * 4, costs)]
+        return [d.k for d in decide_together(batch, [RoundContext(8, 100, 256, lag=2)] * 4, costs)]
 
     assert min(ks(last_k=1)) >= 1  # drafting, and drafting still pays a little: it goes on
     assert ks(last_k=0) == [0] * 4  # not drafting: 1 % is no reason to start
@@ -314,33 +314,39 @@ def test_no_probe_where_it_would_widen_a_compute_bound_call():
     policies = [Adaptive(costs=costs, prior_alpha=0.3) for _ in range(16)]
     for policy in policies:
         policy.idle = PROBE_AFTER
-    decisions = decide_together(policies, [RoundContext(8, 50)] * 16, costs)
+    decisions = decide_together(policies, [RoundContext(8, 50, 256)] * 16, costs)
     assert [d.k for d in decisions] == [0] * 16
 
 
 def test_a_draft_cache_far_behind_is_priced_and_not_probed():
     """A request that sat at K = 0 must first feed the draft model every token it missed, and
-    in a batch everyone waits for that call: the round is priced with it (spread over a few
-    rounds), and no probe starts one where it costs more than the round it joins."""
+    in a batch everyone waits for that call: the round is priced with it (spread over the
+    rounds its 16 tokens left take), and no probe starts one where it costs more than the round it joins."""
     costs = _batch_costs()
     assert costs.catch_up_cost(1) == 0.0
     assert costs.catch_up_cost(9) == pytest.approx(0.015 + 0.005 / 8 - 0.010)
     policy = Adaptive(costs=costs, prior_alpha=0.8)
-    near, far = RoundContext(8, 300, lag=1), RoundContext(8, 300, lag=300)
+    near, far = RoundContext(8, 300, 16, lag=1), RoundContext(8, 300, 16, lag=300)
     assert policy.decide(near).k >= 1 and policy.decide(far).k >= 1  # worth it at this alpha
     rate = [float(policy.decide(ctx).reason.split("-> ")[1].split()[0]) for ctx in (near, far)]
     assert rate[1] < rate[0]  # the catch-up is in the price
     idle = Adaptive(costs=costs, prior_alpha=0.01)
     idle.idle = PROBE_AFTER
     # Alone, a request spreads its catch-up over its idle rounds...
-    assert idle.decide(RoundContext(8, 300, lag=PROBE_AFTER)).k == 1
-    assert idle.decide(RoundContext(8, 300, lag=1500)).k == 0  # ...but 1,500 tokens is too many
+    assert idle.decide(RoundContext(8, 300, 256, lag=PROBE_AFTER)).k == 1
+    assert (
+        idle.decide(RoundContext(8, 300, 256, lag=1500)).k == 0
+    )  # ...but 1,500 tokens is too many
     # In a batch the others wait for it: a catch-up of 300 tokens is no probe's business, and
     # of the requests whose probe is cheap, one probes per round.
     pair = [Adaptive(costs=costs, prior_alpha=0.01) for _ in range(3)]
     for policy in pair:
         policy.idle = PROBE_AFTER
-    lags = [RoundContext(8, 300, lag=300), RoundContext(8, 300, lag=1), RoundContext(8, 300)]
+    lags = [
+        RoundContext(8, 300, 256, lag=300),
+        RoundContext(8, 300, 256, lag=1),
+        RoundContext(8, 300, 256),
+    ]
     assert [d.k for d in decide_together(pair, lags, costs)] == [0, 1, 0]
 
 
@@ -351,7 +357,7 @@ def test_a_catch_up_is_spread_over_the_answer_left():
     batch = [Adaptive(costs=costs, prior_alpha=0.8) for _ in range(2)]
 
     def ks(remaining: int) -> list[int]:
-        contexts = [RoundContext(8, 300, lag=300, remaining=remaining)] * 2
+        contexts = [RoundContext(8, 300, remaining, lag=300)] * 2
         return [d.k for d in decide_together(batch, contexts, costs)]
 
     assert min(ks(1000)) >= 1
@@ -360,11 +366,11 @@ def test_a_catch_up_is_spread_over_the_answer_left():
 
 def test_long_context_halves_k():
     policy = Adaptive(k_model=8, long_context=100)
-    assert policy.decide(RoundContext(room=8, position=50)).k == 4  # warming up
+    assert policy.decide(RoundContext(room=8, position=50, remaining=256)).k == 4  # warming up
     for _ in range(3):
         _observe(policy, 8, 8, draft_s=0.008, verify_s=0.011)
-    assert policy.decide(RoundContext(room=8, position=50)).k == 8
-    decision = policy.decide(RoundContext(room=8, position=500))
+    assert policy.decide(RoundContext(room=8, position=50, remaining=256)).k == 8
+    decision = policy.decide(RoundContext(room=8, position=500, remaining=256))
     assert decision.k == 4 and "long context" in decision.reason
 
 
@@ -372,11 +378,11 @@ def test_adaptive_prefers_short_k_when_drafts_are_expensive():
     policy = Adaptive(k_model=8)
     for k in (2, 6):
         _observe(policy, k, k // 2, draft_s=k * 0.09, verify_s=0.1 + 0.001 * k)
-    assert policy.decide(RoundContext(room=8, position=10)).k <= 2
+    assert policy.decide(RoundContext(room=8, position=10, remaining=256)).k <= 2
     cheap = Adaptive(k_model=8)
     for k in (2, 6):
         _observe(cheap, k, k, draft_s=k * 0.005, verify_s=0.1 + 0.001 * k)
-    assert cheap.decide(RoundContext(room=8, position=10)).k == 8
+    assert cheap.decide(RoundContext(room=8, position=10, remaining=256)).k == 8
 
 
 def test_low_confidence_stops_drafting_early(agree):
@@ -388,9 +394,9 @@ def test_low_confidence_stops_drafting_early(agree):
 
 
 def test_heuristic_and_fixed_respect_room():
-    assert Fixed(6).decide(RoundContext(room=2, position=0)).k == 2
+    assert Fixed(6).decide(RoundContext(room=2, position=0, remaining=256)).k == 2
     policy = Heuristic(k_max=8, start=8)
-    assert policy.decide(RoundContext(room=3, position=0)).k == 3
+    assert policy.decide(RoundContext(room=3, position=0, remaining=256)).k == 3
     policy.observe(3, 1)
     assert policy.k == 7
 

@@ -39,10 +39,10 @@ POOL_WARM = 8.0  # drafts of a source a runtime judges (decayed) before it price
 class RoundContext:
     room: int  # the most drafts this request can take this round: its offer, budget, context
     position: int  # tokens in the sequence so far (prompt + emitted)
+    remaining: int  # tokens its drafter may still serve: the budget or context room, less
+    # what a free source (a prediction) expects to serve, for free, after this round
     source: str = "model"  # who drafts this round: "model", "ngram", ... (see drafters)
     lag: int = 0  # tokens the draft model must catch up on before it drafts (model rounds)
-    remaining: int | None = None  # tokens its drafter may still serve: the budget or context
-    # room, less what a free source (a prediction) expects to serve, for free, after this round
 
 
 @dataclass(frozen=True)

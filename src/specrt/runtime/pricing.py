@@ -14,7 +14,6 @@ import numpy as np
 
 from specrt.runtime.costs import StepCosts
 
-CATCH_UP_ROUNDS = 4  # rounds a catch-up is spread over when a request's remaining ones are unknown
 ROUND_LAG = 2  # tokens a round leaves the draft model to read: a steady cost, not a catch-up
 
 
@@ -58,14 +57,10 @@ def first_step_rows(drafting: Sequence[tuple[int, float]]) -> float:
     return len(drafting) * (2 - none_kept_all)
 
 
-def _catch_up_share(
-    costs: StepCosts, k: int, alpha: float, lag: int, remaining: int | None
-) -> float:
+def _catch_up_share(costs: StepCosts, k: int, alpha: float, lag: int, remaining: int) -> float:
     """A catch-up is paid once and serves every later round of the request, so its price is
     spread over the rounds the request's remaining tokens take at this K: early in a long
-    answer it is cheap, near the end it is not. A fixed spread (CATCH_UP_ROUNDS) priced a long
+    answer it is cheap, near the end it is not. A fixed spread (4 rounds) priced a long
     idle stretch so dear that a busy batch never drafted again (measured at 8 clients: K = 0
     throughout, where K = 2 gave 1.13x the target alone)."""
-    if remaining is None:
-        return costs.catch_up_cost(lag) / CATCH_UP_ROUNDS
     return costs.catch_up_cost(lag) / max(1.0, remaining / expected_tokens(alpha, k))

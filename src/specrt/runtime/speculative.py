@@ -95,7 +95,7 @@ def speculate(reqs: list[Sequence], target: Engine, costs: StepCosts) -> Round:
         for r, room in zip(reqs, rooms, strict=True)
     ]
     contexts = [
-        RoundContext(o.available, len(r.tokens), o.source, o.lag, max(1, room + 1 - o.free_ahead))
+        RoundContext(o.available, len(r.tokens), max(1, room + 1 - o.free_ahead), o.source, o.lag)
         for r, o, room in zip(reqs, offers, rooms, strict=True)
     ]
     decisions = decide_round([r.policy for r in reqs], contexts, costs)

@@ -130,7 +130,7 @@ class _Request:
 
     def context(self) -> RoundContext:
         position = self.trace.prompt_tokens + self.pos
-        return RoundContext(self.room, position, "model", self.lag, max(1, self.room + 1))
+        return RoundContext(self.room, position, max(1, self.room + 1), "model", self.lag)
 
     def draft(self, k: int) -> tuple[int, int]:
         """Drafts proposed and draft-model steps taken for K = k: after the first, drafting

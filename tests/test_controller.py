@@ -321,7 +321,8 @@ def test_no_probe_where_it_would_widen_a_compute_bound_call():
 def test_a_draft_cache_far_behind_is_priced_and_not_probed():
     """A request that sat at K = 0 must first feed the draft model every token it missed, and
     in a batch everyone waits for that call: the round is priced with it (spread over the
-    rounds its 16 tokens left take), and no probe starts one where it costs more than the round it joins."""
+    rounds its 16 tokens left take), and no probe starts one where it costs more than the
+    round it joins."""
     costs = _batch_costs()
     assert costs.catch_up_cost(1) == 0.0
     assert costs.catch_up_cost(9) == pytest.approx(0.015 + 0.005 / 8 - 0.010)

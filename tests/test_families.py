@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 
 import specrt.exporter.graph as graph
-import specrt.exporter.tensors as tensors
 from specrt.errors import SpecrtError
 from specrt.exporter.build import build_bundle
 from specrt.exporter.families import Family, family_of
 from specrt.exporter.families.gemma import Gemma2, Gemma3
+from specrt.exporter.families.phi3 import Phi3
 from specrt.exporter.tiny import TINY_SHAPE, train_tokenizer
 from specrt.runtime.api import SpeculativeRuntime
 
@@ -151,7 +151,7 @@ CONTROLS = {
     "mistral": ("windows", lambda self: [None] * self.config.num_hidden_layers),
     "qwen2-sliding": ("windows", lambda self: [None] * self.config.num_hidden_layers),
     "llama3": ("rope_tables", None),  # set below: the rotary without llama3's scaling
-    "phi3": ("FUSED", {"self_attn.qkv_proj": ("q", "k", "v"), "mlp.gate_up_proj": ("up", "gate")}),
+    "phi3": ("fused", {"self_attn.qkv_proj": ("q", "k", "v"), "mlp.gate_up_proj": ("up", "gate")}),
     "phi4-mini": ("rope_tables", None),  # set below: every dim of a head turned
     "gemma2": ("windows", lambda self: [None] * self.config.num_hidden_layers),
     "gemma3": ("_head_norm", lambda b, x, *rest: x),  # no q/k norm
@@ -206,7 +206,7 @@ def test_the_check_refuses_a_graph_without_the_familys_difference(
     folders, tmp_path, monkeypatch, family
 ):
     name, replacement = CONTROLS[family]
-    module = {"FUSED": tensors, "windows": Family}.get(name, graph)
+    module = {"fused": Phi3, "windows": Family}.get(name, graph)
     monkeypatch.setattr(module, name, replacement or _unscaled_rope)
     with pytest.raises(SpecrtError, match="differ from PyTorch"):
         _build(folders[family], tmp_path / "b")

@@ -167,24 +167,17 @@ class GgufFile(Tensors):
 
     @cached_property
     def _names(self) -> dict[str, str]:
-        """Hugging Face name -> GGUF name, for every tensor the file holds. Some GGUF names
-        stand for two Hugging Face ones: the first in _hf_stems wins (up_proj over
-        gate_up_proj), and an ffn_up with no ffn_gate beside it is the fused gate_up (Phi-3)."""
+        """Hugging Face name -> GGUF name, for every tensor the file holds. A GGUF name may
+        stand for two Hugging Face ones (ffn_up for up_proj and for Phi-3's fused
+        gate_up_proj): the family's fused projections come first in _hf_stems and win."""
         stems: dict[str, str] = {}
-        for hf in _hf_stems(self.config.num_hidden_layers):
+        for hf in _hf_stems(self.config.num_hidden_layers, self._family.fused):
             stems.setdefault(self._map.get_name(hf), hf)
         names = {}
         for gguf_name in self._tensors:
             stem, _, suffix = gguf_name.rpartition(".")
-            if stem not in stems:
-                continue
-            hf = stems[stem]
-            if (
-                hf.endswith("mlp.up_proj")
-                and f"{stem[: -len('up')]}gate.{suffix}" not in self._tensors
-            ):
-                hf = hf.replace("mlp.up_proj", "mlp.gate_up_proj")
-            names[f"{hf}.{suffix}"] = gguf_name
+            if stem in stems:
+                names[f"{stems[stem]}.{suffix}"] = gguf_name
         return names
 
     def names(self) -> list[str]:
@@ -258,8 +251,6 @@ class GgufFile(Tensors):
 
 
 VOCAB_TABLES = ("model.embed_tokens.weight", "lm_head.weight")
-# Fused projections and the order of their parts' rows, as transformers splits them (Phi-3).
-FUSED = {"self_attn.qkv_proj": ("q", "k", "v"), "mlp.gate_up_proj": ("gate", "up")}
 LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)$")
 
 
@@ -324,13 +315,14 @@ class Subset(Tensors):
 
 
 class Unfused(Tensors):
-    """A model that stores q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj` (Phi-3),
-    seen as the separate projections the graph writer reads: each is a band of the fused
-    tensor's rows ([q; k; v] and [gate; up], as transformers splits them)."""
+    """A model whose family stores projections fused (`Family.fused`: Phi-3's qkv_proj and
+    gate_up_proj), seen as the separate projections the graph writer reads: each is a band of
+    the fused tensor's rows, in the family's order."""
 
     def __init__(self, base: Tensors):
         self.base, self.config = base, base.config
         config = base.config
+        fused_parts = family_of(config).fused
         heads = config.num_attention_heads
         kv = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -341,10 +333,10 @@ class Unfused(Tensors):
             stem, _, suffix = name.rpartition(".")
             module, _, fused = stem.rpartition(".")
             parent = module.rpartition(".")[2]
-            if f"{parent}.{fused}" not in FUSED:
+            if f"{parent}.{fused}" not in fused_parts:
                 continue
             start = 0
-            for part in FUSED[f"{parent}.{fused}"]:
+            for part in fused_parts[f"{parent}.{fused}"]:
                 self._parts[f"{module}.{part}_proj.{suffix}"] = (name, start, rows[part])
                 start += rows[part]
         fused = {fused for fused, _, _ in self._parts.values()}
@@ -409,9 +401,11 @@ def open_weights(source: Source) -> Tensors:
     return unfused(SafetensorsFolder(Path(folder), config))
 
 
-def _hf_stems(layers: int) -> list[str]:
-    """Every Hugging Face module name a decoder of these families may hold."""
+def _hf_stems(layers: int, fused: dict[str, tuple[str, ...]]) -> list[str]:
+    """Every Hugging Face module name a decoder of these families may hold, the family's fused
+    projections first."""
     per_layer = [
+        *fused,
         "input_layernorm",
         "post_attention_layernorm",
         "self_attn.q_proj",
@@ -421,8 +415,6 @@ def _hf_stems(layers: int) -> list[str]:
         "mlp.gate_proj",
         "mlp.up_proj",
         "mlp.down_proj",
-        "self_attn.qkv_proj",
-        "mlp.gate_up_proj",
         "self_attn.q_norm",
         "self_attn.k_norm",
         "pre_feedforward_layernorm",

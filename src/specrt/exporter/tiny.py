@@ -33,7 +33,11 @@ CHAT_TEMPLATE = (  # ChatML, with tools and tool calls written as Qwen2.5 writes
     "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-ARCHITECTURES = ("llama", "qwen2")
+# What each tiny architecture sets beyond the shared shape, as its family's published models do.
+ARCHITECTURES = {
+    "llama": dict(tie_word_embeddings=False, rope_theta=10000.0),
+    "qwen2": dict(tie_word_embeddings=True, rope_theta=1000000.0),
+}
 # What every tiny model shares (tests of other families build theirs from it too).
 TINY_SHAPE = dict(
     hidden_size=64,
@@ -70,16 +74,18 @@ def train_tokenizer(vocab_size: int = 384):
 
 
 def _config(arch: str, vocab_size: int, layers: int, eos_ids: list[int]):
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import AutoConfig
 
-    common = dict(
-        **TINY_SHAPE, vocab_size=vocab_size, num_hidden_layers=layers, eos_token_id=eos_ids
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose from {tuple(ARCHITECTURES)}")
+    return AutoConfig.for_model(
+        arch,
+        **TINY_SHAPE,
+        **ARCHITECTURES[arch],
+        vocab_size=vocab_size,
+        num_hidden_layers=layers,
+        eos_token_id=eos_ids,
     )
-    if arch == "llama":
-        return LlamaConfig(**common, tie_word_embeddings=False, rope_theta=10000.0)
-    if arch == "qwen2":
-        return Qwen2Config(**common, tie_word_embeddings=True, rope_theta=1000000.0)
-    raise ValueError(f"unknown tiny architecture {arch!r}; choose from {ARCHITECTURES}")
 
 
 def make_tiny_pair(

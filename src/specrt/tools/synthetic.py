@@ -32,6 +32,7 @@ _QWEN2 = {
     "eos_token_id": 151645,
     "use_sliding_window": False,
     "torch_dtype": "bfloat16",
+    "_qkv_bias": True,  # Qwen2's q/k/v projections carry biases (not a config.json field)
 }
 # The published configs (config.json) of the models people pair; vocab_size is the model's
 # padded logit count, not the tokenizer's length.
@@ -140,7 +141,7 @@ def tensor_shapes(config: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
         yield f"{layer}.input_layernorm.weight", (hidden,)
         for part, rows in (("q", heads * head_dim), ("k", kv * head_dim), ("v", kv * head_dim)):
             yield f"{layer}.self_attn.{part}_proj.weight", (rows, hidden)
-            if config["model_type"] == "qwen2":
+            if config.get("_qkv_bias"):
                 yield f"{layer}.self_attn.{part}_proj.bias", (rows,)
         yield f"{layer}.self_attn.o_proj.weight", (hidden, heads * head_dim)
         yield f"{layer}.post_attention_layernorm.weight", (hidden,)

@@ -3,10 +3,10 @@
 The graph writer asks its family for the few things that differ in kind: how a norm applies its
 weight, what scales the embeddings and the attention scores, the MLP's activation, where the
 norms sit around each block, soft-capping, which rotary table a layer uses, which layers slide
-a window, how far its rope scaling reaches, and how llama.cpp's converter stores its weights
-in a GGUF file (q/k rows interleaved, norms offset). What is data is read from the config and
-the weights for every family alike: biases, q/k norms, rope scaling, fused projections, tied
-heads.
+a window, how far its rope scaling reaches, which projections it stores fused, and how
+llama.cpp's converter stores its weights in a GGUF file (q/k rows interleaved, norms offset).
+What is data is read from the config and the weights for every family alike: biases, q/k norms,
+rope scaling, tied heads.
 """
 
 from __future__ import annotations
@@ -17,16 +17,18 @@ from specrt.errors import SpecrtError
 
 
 class Family:
-    """Llama 2/3, Qwen2, Qwen3, Mistral, Phi-3: pre-norm blocks, RMSNorm scaled by its weight,
+    """Llama 2/3, Qwen2, Qwen3, Mistral: pre-norm blocks, RMSNorm scaled by its weight,
     SiLU-gated MLP, attention scaled by 1/sqrt(head_dim)."""
 
-    model_types: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "phi3")
+    model_types: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral")
     activation_field = "hidden_act"
     activations: tuple[str, ...] = ("silu",)
     norm_offset = 0.0  # a norm's scale is offset + weight (a GGUF file stores the sum)
     # GGUF architectures whose q/k rows llama.cpp's converter interleaves for its rotary kernel
     gguf_interleaved_qk: tuple[str, ...] = ("llama",)
     sandwich = False  # norms after attention and the MLP as well as before (Gemma 2/3)
+    # projections stored as one tensor -> its parts, in the order of their rows (Phi-3)
+    fused: dict[str, tuple[str, ...]] = {}
 
     def __init__(self, config):
         self.config = config
@@ -88,8 +90,9 @@ class Family:
 def family_of(config) -> Family:
     """The family that writes this config's graph, or a refusal naming the field."""
     from specrt.exporter.families.gemma import Gemma2, Gemma3
+    from specrt.exporter.families.phi3 import Phi3
 
-    families = {kind: cls for cls in (Family, Gemma2, Gemma3) for kind in cls.model_types}
+    families = {kind: cls for cls in (Family, Phi3, Gemma2, Gemma3) for kind in cls.model_types}
     if config.model_type not in families:
         raise SpecrtError(
             f"config.model_type {config.model_type!r} is not supported yet (supported: "

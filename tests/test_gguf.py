@@ -31,7 +31,7 @@ from specrt.exporter.gguf_blocks import SUPPORTED, row_permutation, to_blocks
 from specrt.exporter.graph import write_graph
 from specrt.exporter.precision import Precision
 from specrt.exporter.projections import EMBEDDED, projections_for
-from specrt.exporter.tensors import open_weights
+from specrt.exporter.tensors import GgufFile, open_weights, unfused
 from specrt.runtime import SpeculativeRuntime
 from specrt.sources import Source
 from specrt.tools.quality import Comparison, text_labels
@@ -299,3 +299,56 @@ def test_eval_refuses_a_text_too_short(gguf_bundles, tmp_path):
         ],
     )
     assert result.exit_code == 1 and "at least two tokens" in result.output
+
+
+def test_a_phi3_gguf_reads_its_fused_projections_as_their_parts(tmp_path):
+    """llama.cpp's converter keeps Phi-3's q/k/v as attn_qkv and gate/up as one ffn_up of both
+    halves (no ffn_gate): the reader names them as transformers' fused tensors, and each part
+    the graph writer reads is its band of rows."""
+    import gguf
+    from transformers import Phi3Config
+
+    config = Phi3Config(
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=1,
+        vocab_size=32,
+        pad_token_id=0,
+    )
+    rng = np.random.default_rng(0)
+    shapes = {
+        "token_embd.weight": (32, 64),
+        "blk.0.attn_norm.weight": (64,),
+        "blk.0.attn_qkv.weight": (64 + 2 * 32, 64),
+        "blk.0.attn_output.weight": (64, 64),
+        "blk.0.ffn_norm.weight": (64,),
+        "blk.0.ffn_up.weight": (2 * 96, 64),
+        "blk.0.ffn_down.weight": (64, 96),
+        "output_norm.weight": (64,),
+        "output.weight": (32, 64),
+    }
+    values = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
+    writer = gguf.GGUFWriter(str(tmp_path / "phi3.gguf"), "phi3")
+    for name, value in values.items():
+        writer.add_tensor(name, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tensors = unfused(GgufFile(tmp_path / "phi3.gguf", config))
+    layer = "model.layers.0"
+    assert "self_attn.qkv_proj" not in " ".join(tensors.names())
+    qkv, up = values["blk.0.attn_qkv.weight"], values["blk.0.ffn_up.weight"]
+    bands = {
+        "self_attn.q_proj": qkv[:64],
+        "self_attn.k_proj": qkv[64:96],
+        "self_attn.v_proj": qkv[96:],
+        "mlp.gate_proj": up[:96],
+        "mlp.up_proj": up[96:],
+    }
+    for part, want in bands.items():
+        name = f"{layer}.{part}.weight"
+        assert tensors.shape(name) == want.shape
+        assert np.array_equal(tensors.rows(name, np.arange(len(want))), want), part

@@ -26,7 +26,7 @@ from specrt.serve.errors import APIError
 from specrt.serve.events import Delta, Done, Event, Failed
 from specrt.serve.metrics import Metrics
 from specrt.serve.protocol import ChatRequest, CompletionRequest
-from specrt.serve.render import Reply
+from specrt.serve.render import Writer
 from specrt.serve.service import LocalService, Service, Stream
 from specrt.serve.settings import ServeSettings
 
@@ -53,17 +53,15 @@ class Server:
         try:
             firsts = [await stream.next() for stream in streams]
             chat = isinstance(body, ChatRequest)
-            replies = Reply.replies(
-                chat, self.settings.served_model, body.parses_tool_calls, len(streams)
-            )
+            writer = Writer(chat, self.settings.served_model, body.parses_tool_calls, len(streams))
             headers = streams[0].headers
             if body.stream and not any(isinstance(first, Failed) for first in firsts):
                 streaming = True  # the stream owns the watcher from here
-                events = self._stream(streams, firsts, replies, body.include_usage, watcher)
+                events = self._stream(streams, firsts, writer, body.include_usage, watcher)
                 return StreamingResponse(events, media_type="text/event-stream", headers=headers)
             pairs = zip(streams, firsts, strict=True)
             results = [await self._result(stream, first) for stream, first in pairs]
-            return JSONResponse(Reply.response(replies, results), headers=headers)
+            return JSONResponse(writer.response(results), headers=headers)
         finally:
             if not streaming:
                 watcher.cancel()
@@ -77,7 +75,7 @@ class Server:
             raise event.error
         return event.result
 
-    async def _stream(self, streams, firsts, replies: list[Reply], include_usage, watcher):
+    async def _stream(self, streams, firsts, writer: Writer, include_usage, watcher):
         """Server-sent events as OpenAI sends them, each choice's chunks as they come, ending
         with `data: [DONE]`."""
         events: asyncio.Queue = asyncio.Queue()
@@ -90,23 +88,20 @@ class Server:
                 event = await streams[index].next()
 
         tasks = [asyncio.create_task(forward(i, first)) for i, first in enumerate(firsts)]
-        results: dict[int, Result] = {}
         try:
-            while len(results) < len(streams):
+            while not writer.done:
                 index, event = await events.get()
-                reply = replies[index]
                 if isinstance(event, Delta):
-                    yield sse(reply.chunk(event.text, event.logprobs))
+                    yield sse(writer.chunk(index, event.text, event.logprobs))
                 elif isinstance(event, Done):
-                    results[index] = event.result
-                    yield sse(reply.last_chunk(event.result))
+                    yield sse(writer.last_chunk(index, event.result))
                 else:
                     self.service.metrics.outcome(event.error.outcome)
                     yield sse(event.error.body())
                     break
             else:
                 if include_usage:
-                    yield sse(replies[0].usage_chunk([results[i] for i in sorted(results)]))
+                    yield sse(writer.usage_chunk())
             yield "data: [DONE]\n\n"
         finally:
             watcher.cancel()

@@ -1,15 +1,16 @@
 """The responses of OpenAI's completions and chat APIs, as whole bodies and as stream chunks.
 
-`Reply` writes one choice of a request in its endpoint's shape: text, log-probabilities where
-asked, tool calls parsed from the text where tools were given, the usage of all choices and
-specrt's `speculation` extension. Parsing the request is protocol.py's; this module only
-renders what the engines produced.
+`Writer` writes one request's response in its endpoint's shape: each choice's text,
+log-probabilities where asked, tool calls parsed from the text where tools were given, the usage
+of all choices and specrt's `speculation` extension. Parsing the request is protocol.py's; this
+module only renders what the engines produced.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass
 
 from specrt.runtime import Result, TokenLogprob
 from specrt.serve.tools import CallStream, ToolCall, parse_calls
@@ -58,20 +59,33 @@ def finish_reason(result: Result) -> str:
     return FINISH_REASONS.get(result.finish_reason, result.finish_reason)
 
 
-class Reply:
-    """The chunks and the whole response of one choice of a request, in the shape its endpoint
-    uses: text, log-probabilities where asked, and tool calls parsed from the text where tools
-    were given (streamed as one delta per whole call). `replies` makes a request's n, which
-    share its id; `response` and `usage_chunk` put their results together."""
+@dataclass
+class _Choice:
+    """What the writer keeps of one choice while it streams."""
 
-    def __init__(self, chat: bool, model: str, tools: bool = False, index: int = 0):
-        self.chat, self.model, self.index = chat, model, index
+    calls: CallStream | None  # where tools were given: the text's calls, whole
+    sent_role: bool = False
+    called: int = 0  # tool calls streamed so far
+    offset: int = 0  # characters of completion text before the next logprob entry
+    result: Result | None = None
+
+
+class Writer:
+    """One request's response, in the shape its endpoint uses: the chunks of each of its n
+    choices as they stream (text, log-probabilities where asked, tool calls parsed from the
+    text where tools were given, one delta per whole call), their last chunks and the usage
+    chunk, or the whole body. The request's one response object: its id, its clock and what
+    each choice has streamed so far."""
+
+    def __init__(self, chat: bool, model: str, tools: bool = False, n: int = 1):
+        self.chat, self.model = chat, model
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.sent_role = False
-        self.calls = CallStream() if tools else None
-        self.called = 0  # tool calls streamed so far
-        self.offset = 0  # characters of completion text before the next logprob entry
+        self.choices = [_Choice(CallStream() if tools else None) for _ in range(n)]
+
+    @property
+    def done(self) -> bool:
+        return all(choice.result is not None for choice in self.choices)
 
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
         return {
@@ -83,81 +97,85 @@ class Reply:
         }
 
     def chunk(
-        self, text: str, logprobs: list[TokenLogprob] | None = None, finish: str | None = None
+        self,
+        index: int,
+        text: str,
+        logprobs: list[TokenLogprob] | None = None,
+        finish: str | None = None,
     ) -> dict:
+        state = self.choices[index]
         calls: list[ToolCall] = []
-        if self.calls is not None:
-            text, calls = self.calls.feed(text, final=finish is not None)
+        if state.calls is not None:
+            text, calls = state.calls.feed(text, final=finish is not None)
         if not self.chat:
-            choice = {"index": self.index, "text": text, "logprobs": self._logprobs(logprobs)}
+            choice = {"index": index, "text": text, "logprobs": self._logprobs(index, logprobs)}
             return self._envelope("text_completion", [{**choice, "finish_reason": finish}])
         delta: dict = {} if finish and not text else {"content": text}
         if calls:
-            delta["tool_calls"] = [c.as_dict(self.called + i) for i, c in enumerate(calls)]
-            self.called += len(calls)
-        if not self.sent_role:
+            delta["tool_calls"] = [c.as_dict(state.called + i) for i, c in enumerate(calls)]
+            state.called += len(calls)
+        if not state.sent_role:
             delta = {"role": "assistant", **delta}
-            self.sent_role = True
-        choice = {"index": self.index, "delta": delta, "logprobs": self._logprobs(logprobs)}
+            state.sent_role = True
+        choice = {"index": index, "delta": delta, "logprobs": self._logprobs(index, logprobs)}
         return self._envelope("chat.completion.chunk", [{**choice, "finish_reason": finish}])
 
-    def last_chunk(self, result: Result) -> dict:
-        chunk = self.chunk("", finish=finish_reason(result))
-        if self.called and result.finish_reason in ("eos", "stop"):
+    def last_chunk(self, index: int, result: Result) -> dict:
+        """A choice's last chunk (its finish reason and speculation); its result is kept for
+        the usage chunk."""
+        self.choices[index].result = result
+        chunk = self.chunk(index, "", finish=finish_reason(result))
+        if self.choices[index].called and result.finish_reason in ("eos", "stop"):
             chunk["choices"][0]["finish_reason"] = "tool_calls"
         return {**chunk, "speculation": speculation(result)}
 
-    def usage_chunk(self, results: list[Result]) -> dict:
+    def usage_chunk(self) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return {**self._envelope(obj, []), "usage": usage(results)}
+        return {**self._envelope(obj, []), "usage": usage(self._results())}
 
-    @staticmethod
-    def replies(chat: bool, model: str, tools: bool, n: int) -> list[Reply]:
-        first = Reply(chat, model, tools)
-        rest = [Reply(chat, model, tools, index) for index in range(1, n)]
-        for reply in rest:
-            reply.id, reply.created = first.id, first.created
-        return [first, *rest]
-
-    @staticmethod
-    def response(replies: list[Reply], results: list[Result]) -> dict:
+    def response(self, results: list[Result]) -> dict:
         """The whole response: a choice per result, the usage of all (the prompt once), and
         the speculation extension (a list, one per choice, where n > 1)."""
-        choices = [reply.choice(result) for reply, result in zip(replies, results, strict=True)]
-        obj = "chat.completion" if replies[0].chat else "text_completion"
+        for state, result in zip(self.choices, results, strict=True):
+            state.result = result
+        choices = [self._choice(index, result) for index, result in enumerate(results)]
+        obj = "chat.completion" if self.chat else "text_completion"
         stats = [speculation(result) for result in results]
         return {
-            **replies[0]._envelope(obj, choices),
+            **self._envelope(obj, choices),
             "usage": usage(results),
             "speculation": stats[0] if len(stats) == 1 else stats,
         }
 
-    def choice(self, result: Result) -> dict:
+    def _results(self) -> list[Result]:
+        return [choice.result for choice in self.choices]
+
+    def _choice(self, index: int, result: Result) -> dict:
         finish = finish_reason(result)
-        logprobs = self._logprobs(result.logprobs)
+        logprobs = self._logprobs(index, result.logprobs)
         if self.chat:
             message: dict = {"role": "assistant", "content": result.text}
-            if self.calls is not None:
+            if self.choices[index].calls is not None:
                 content, calls = parse_calls(result.text)
                 if calls:
                     message = {"role": "assistant", "content": content or None}
                     message["tool_calls"] = [call.as_dict() for call in calls]
                     finish = "tool_calls" if result.finish_reason in ("eos", "stop") else finish
-            choice = {"index": self.index, "message": message, "logprobs": logprobs}
+            choice = {"index": index, "message": message, "logprobs": logprobs}
         else:
-            choice = {"index": self.index, "text": result.text, "logprobs": logprobs}
+            choice = {"index": index, "text": result.text, "logprobs": logprobs}
         return {**choice, "finish_reason": finish}
 
-    def _logprobs(self, entries: list[TokenLogprob] | None) -> dict | None:
+    def _logprobs(self, index: int, entries: list[TokenLogprob] | None) -> dict | None:
         """OpenAI's logprobs object: chat's `content` list, or completions' parallel lists."""
         if not entries:
             return None
         if self.chat:
             return {"content": [_chat_entry(e) for e in entries], "refusal": None}
-        offsets = []
+        state, offsets = self.choices[index], []
         for entry in entries:
-            offsets.append(self.offset)
-            self.offset += len(entry.text)
+            offsets.append(state.offset)
+            state.offset += len(entry.text)
         return {
             "tokens": [e.text for e in entries],
             "token_logprobs": [e.logprob for e in entries],

@@ -183,7 +183,6 @@ class CallStream:
 
     def __init__(self):
         self.pending = ""
-        self.count = 0  # calls sent so far (their deltas' index)
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
         self.pending += text

@@ -24,6 +24,7 @@ import numpy as np
 from specrt.engines.base import Engine
 from specrt.errors import SpecrtError
 from specrt.runtime.constraints import Constraints
+from specrt.runtime.costs import StepCosts
 from specrt.runtime.prompt_cache import take_slot
 from specrt.runtime.sampling import SamplingParams, probabilities, sample
 
@@ -168,9 +169,9 @@ def draft_together(jobs: Sequence[DraftJob]) -> tuple[list[Proposal], Steps]:
         if job.k
     }
     for i, feed in feeds.items():
-        if len(feed) > CATCH_UP:  # a call of its own, so that no other row is padded to it
-            engine.forward_rows([(jobs[i].drafter.slot, feed[:-1])], last=1)
-            feeds[i] = feed[-1:]
+        if ahead := catch_up_tokens(len(feed)):
+            engine.forward_rows([(jobs[i].drafter.slot, feed[:ahead])], last=1)
+            feeds[i] = feed[ahead:]
     steps: Steps = []
     while feeds:
         calls = [(jobs[i].drafter.slot, feed) for i, feed in feeds.items()]
@@ -198,6 +199,31 @@ def draft_together(jobs: Sequence[DraftJob]) -> tuple[list[Proposal], Steps]:
         if job.constraints is not None:
             job.constraints.rollback_to(base)
     return proposals, steps
+
+
+def catch_up_tokens(feed: int) -> int:
+    """Tokens of a request's first feed the draft model reads in a call of its own before the
+    first step (all but the last, where it is longer than CATCH_UP), so that no other row of
+    the batched step is padded to a long feed."""
+    return feed - 1 if feed > CATCH_UP else 0
+
+
+def draft_seconds(drafts: Sequence[tuple[int, int]], costs: StepCosts) -> float:
+    """The seconds of the calls `draft_together` makes, priced on the cost curve instead of a
+    clock (the replay's round): per drafting request (its first feed, the steps it takes), the
+    catch-ups in calls of their own, then one batched call a step, the first padded to its
+    widest feed. Kept beside draft_together so that the two cannot drift apart."""
+    if not drafts:
+        return 0.0
+
+    def call(rows: int) -> float:
+        return costs.draft_cost("model", 1, rows)
+
+    seconds = sum(call(ahead) for feed, _ in drafts if (ahead := catch_up_tokens(feed)))
+    seconds += call(len(drafts) * max(feed - catch_up_tokens(feed) for feed, _ in drafts))
+    for s in range(1, max(steps for _, steps in drafts)):
+        seconds += call(sum(1 for _, steps in drafts if steps > s))
+    return seconds
 
 
 def _follow(job: DraftJob, proposal: Proposal, token: int) -> list[int]:

@@ -30,7 +30,7 @@ from specrt.errors import SpecrtError
 from specrt.files import write_json_atomic
 from specrt.runtime.controller import PooledAcceptance, RoundContext, decide_round, make_controller
 from specrt.runtime.costs import StepCosts
-from specrt.runtime.drafters import CATCH_UP
+from specrt.runtime.drafters import draft_seconds
 
 
 @dataclass(frozen=True)
@@ -160,29 +160,11 @@ class _Request:
 def _round(live: list[_Request], costs: StepCosts) -> float:
     decisions = decide_round([r.policy for r in live], [r.context() for r in live], costs)
     drafts = [r.draft(d.k) for r, d in zip(live, decisions, strict=True)]
-    seconds = _draft_seconds([(r.lag, *d) for r, d in zip(live, drafts, strict=True)], costs)
+    feeds = [(r.lag, steps) for r, (drafted, steps) in zip(live, drafts, strict=True) if drafted]
+    seconds = draft_seconds(feeds, costs)
     seconds += costs.verify_cost(len(live) * (max(drafted for drafted, _ in drafts) + 1))
     for r, d, (drafted, steps) in zip(live, decisions, drafts, strict=True):
         r.advance(d.k, drafted, steps)
-    return seconds
-
-
-def _draft_seconds(drafts: list[tuple[int, int, int]], costs: StepCosts) -> float:
-    """The draft model's calls for (lag, drafted, steps) per request, as `draft_together` makes
-    them: a feed longer than CATCH_UP in a call of its own, then one batched call a step, the
-    first padded to its widest feed."""
-    drafting = [(lag, steps) for lag, drafted, steps in drafts if drafted]
-    if not drafting:
-        return 0.0
-
-    def call(rows: int) -> float:
-        return costs.draft_cost("model", 1, rows)
-
-    seconds = sum(call(lag - 1) for lag, _ in drafting if lag > CATCH_UP)
-    feeds = [1 if lag > CATCH_UP else lag for lag, _ in drafting]
-    seconds += call(len(drafting) * max(feeds))
-    for s in range(1, max(steps for _, steps in drafting)):
-        seconds += call(sum(1 for _, steps in drafting if steps > s))
     return seconds
 
 

@@ -127,17 +127,10 @@ def bench(
     and each non-float32 bundle's rows carry its precision label.
     """
     from specrt.tools.bench import run_bench
-    from specrt.tools.prompts import load_prompts
     from specrt.tools.report import markdown, write_report
 
-    files = _prompt_files(prompt_files)
-    genai = {}
-    for item in genai_models:
-        label, _, folder = item.rpartition("=")
-        genai[label] = Path(folder)
-    prompts = load_prompts(files, categories.split(",") if categories else None, per_category)
-    if not prompts:
-        raise SpecrtError("no prompts left: check --categories against the prompt files")
+    genai = {label: Path(folder) for label, _, folder in (m.rpartition("=") for m in genai_models)}
+    prompts = _prompts(prompt_files, categories, per_category)
     stem = name or Path(bundles[0]).resolve().name
     drafts = tuple(int(n) for n in llama_cpp_drafts.split(",")) if llama_cpp_drafts else None
     if concurrency:
@@ -176,3 +169,13 @@ def bench(
     for path in write_report(result, out, stem, log=_log):
         _log(f"wrote {path}")
     click.echo(markdown(result))
+
+
+def _prompts(prompt_files, categories, per_category) -> list[dict]:
+    from specrt.tools.prompts import load_prompts
+
+    files = _prompt_files(prompt_files)
+    prompts = load_prompts(files, categories.split(",") if categories else None, per_category)
+    if not prompts:
+        raise SpecrtError("no prompts left: check --categories against the prompt files")
+    return prompts

@@ -114,20 +114,8 @@ def build_bundle(
     """
     roles = [r for r in ROLES if r == "target" or draft is not None]
     precision = {role: (precision or {}).get(role, Precision()) for role in roles}
-    if not 1 <= max_draft < CACHE_MARGIN:
-        raise SpecrtError(f"--max-draft must be between 1 and {CACHE_MARGIN - 1}, got {max_draft}")
-    if not 1 <= max_lookup < CACHE_MARGIN:
-        raise SpecrtError(
-            f"--max-lookup must be between 1 and {CACHE_MARGIN - 1}, got {max_lookup}"
-        )
+    _check_options(max_draft, max_lookup, precision, tensorrt)
     window = max(max_draft, max_lookup)  # the most drafts one verify call carries
-    if tensorrt is not None:
-        if any(p.weights != "fp32" for p in precision.values()):
-            raise SpecrtError(
-                "--backend tensorrt builds its engines from the float32 graphs (converted to "
-                "--trt-precision); leave --draft-precision and --target-precision at fp32"
-            )
-        require_tensorrt()
     specs = {"draft": draft, "target": target}
     sources = {role: Source.parse(specs[role]) for role in roles}
     for role in roles:
@@ -142,28 +130,14 @@ def build_bundle(
     if max_context < window + 2:
         raise SpecrtError(f"--max-context {max_context} leaves no room for {window} drafts")
     plan = _Plan(max_context, plan_profiles(max_context, window), tensorrt, log)
-    tokenizers = {role: load_tokenizer(src) for role, src in sources.items()}
-    digests = {role: vocabulary_digest(tok) for role, tok in tokenizers.items()}
-    if draft is not None and digests["draft"] != digests["target"]:
-        raise SpecrtError(
-            f"draft and target tokenizers differ ({len(tokenizers['draft'])} vs "
-            f"{len(tokenizers['target'])} tokens, or different ids): speculation needs one "
-            "shared vocabulary"
-        )
+    tokenizers, digests = _tokenizers(sources)
     out = Path(out)
     entries: dict[str, dict] = {}
     eos: dict[str, list[int]] = {}
     with atomic_dir(out, force=force) as tmp:
         for role in roles:
-            entries[role], eos[role] = _export_role(
-                role,
-                sources[role],
-                tokenizers[role],
-                digests[role],
-                tmp / role,
-                precision[role],
-                plan,
-            )
+            where = (sources[role], tokenizers[role], digests[role], tmp / role)
+            entries[role], eos[role] = _export_role(role, *where, precision[role], plan)
         manifest = {
             "format_version": FORMAT_VERSION,
             "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -181,6 +155,33 @@ def build_bundle(
         write_json_atomic(tmp / MANIFEST, manifest)
         log(f"writing bundle {out}")
     return out
+
+
+def _tokenizers(sources: dict[str, Source]) -> tuple[dict, dict[str, str]]:
+    """Each role's tokenizer and its vocabulary's digest; a pair must share one vocabulary."""
+    tokenizers = {role: load_tokenizer(src) for role, src in sources.items()}
+    digests = {role: vocabulary_digest(tok) for role, tok in tokenizers.items()}
+    if len(set(digests.values())) > 1:
+        raise SpecrtError(
+            f"draft and target tokenizers differ ({len(tokenizers['draft'])} vs "
+            f"{len(tokenizers['target'])} tokens, or different ids): speculation needs one "
+            "shared vocabulary"
+        )
+    return tokenizers, digests
+
+
+def _check_options(max_draft: int, max_lookup: int, precision: dict, tensorrt) -> None:
+    """Refuse options out of range before anything is read (TensorRT: before any export)."""
+    for flag, value in (("--max-draft", max_draft), ("--max-lookup", max_lookup)):
+        if not 1 <= value < CACHE_MARGIN:
+            raise SpecrtError(f"{flag} must be between 1 and {CACHE_MARGIN - 1}, got {value}")
+    if tensorrt is not None:
+        if any(p.weights != "fp32" for p in precision.values()):
+            raise SpecrtError(
+                "--backend tensorrt builds its engines from the float32 graphs (converted to "
+                "--trt-precision); leave --draft-precision and --target-precision at fp32"
+            )
+        require_tensorrt()
 
 
 def _export_role(
@@ -214,22 +215,7 @@ def _export_role(
         f"[{role}] writing the ONNX graph ({config.model_type}, {shape.num_layers} layers, "
         f"{precision.weights})"
     )
-    folder.mkdir(parents=True)
-    projections = projections_for(precision)
-    if precision.weights == "fp16":
-        float32 = folder.with_name(f"{role}.fp32")
-        float32.mkdir()
-        write_graph(tensors, float32, capacity)
-        convert_float16(float32 / "model.onnx", folder)
-        shutil.rmtree(float32)
-    else:
-        write_graph(tensors, folder, capacity, projections)
-    record = {"tensors": projections.forms} if precision.weights == "gguf" else {}
-    if precision.quantized:
-        record["embedding"] = projections.embedding_form
-        log(f"  embedding: {projections.embedding_form}")
-    for form, count in sorted(Counter(projections.forms.values()).items()):
-        log(f"  {count} x {form}")
+    record = _write_role_graph(tensors, folder, capacity, precision, log)
     engine = None
     if plan.tensorrt is not None:
         log(f"[{role}] building the TensorRT engine ({plan.tensorrt.precision})")
@@ -260,6 +246,28 @@ def _export_role(
     if engine is not None:
         info["tensorrt"] = engine
     return info, eos_token_ids(source, config, tokenizer)
+
+
+def _write_role_graph(tensors, folder: Path, capacity: int, precision: Precision, log) -> dict:
+    """Write a role's graph into folder at its precision (fp16: the float32 graph, converted);
+    return what the manifest records of its weights' forms."""
+    folder.mkdir(parents=True)
+    projections = projections_for(precision)
+    if precision.weights == "fp16":
+        float32 = folder.with_name(f"{folder.name}.fp32")
+        float32.mkdir()
+        write_graph(tensors, float32, capacity)
+        convert_float16(float32 / "model.onnx", folder)
+        shutil.rmtree(float32)
+    else:
+        write_graph(tensors, folder, capacity, projections)
+    record = {"tensors": projections.forms} if precision.weights == "gguf" else {}
+    if precision.quantized:
+        record["embedding"] = projections.embedding_form
+        log(f"  embedding: {projections.embedding_form}")
+    for form, count in sorted(Counter(projections.forms.values()).items()):
+        log(f"  {count} x {form}")
+    return record
 
 
 def _check(role: str, tensors, ids, scratch: Path, precision: Precision, plan: _Plan) -> dict:

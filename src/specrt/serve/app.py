@@ -147,6 +147,21 @@ def create_app(
     if settings.api_key:
         app.add_middleware(BearerAuth, key=settings.api_key, metrics=service.metrics)
 
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await server.respond(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request) -> Response:
+        return await server.respond(body, request)
+
+    _describe(app, settings, service)
+    return app
+
+
+def _describe(app: FastAPI, settings: ServeSettings, service: Service) -> None:
+    """The routes that describe the server: health, the model, metrics."""
+
     @app.get("/health")
     async def health() -> JSONResponse:
         status, detail = await service.health()
@@ -167,22 +182,12 @@ def create_app(
             )
         return await service.model_card()
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await server.respond(body, request)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatRequest, request: Request) -> Response:
-        return await server.respond(body, request)
-
     @app.get("/metrics")
     async def metrics() -> Response:
         text = service.metrics.exposition()
         if text is None:
             raise APIError("not_found", service.metrics.instruments.where, code="metrics_elsewhere")
         return Response(text, media_type=Metrics.content_type)
-
-    return app
 
 
 def run(settings: ServeSettings, log_level: str = "info") -> None:

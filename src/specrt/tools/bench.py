@@ -110,7 +110,7 @@ def run_bench(
     wanted = (lambda name: name in only) if only else (lambda name: True)
     own = [p.get("prediction") for p in prompts]
     guesses = {"own": own, "other": own[1:] + own[:1]}  # "other": another prompt's, all wrong
-    rows, outputs, notes, costs, padding = [], {}, [], {}, {}
+    rows, outputs, notes = [], {}, []
 
     categories = [p["category"] for p in prompts]
 
@@ -139,10 +139,43 @@ def run_bench(
     notes += _llamacpp_rows(
         bundles, llama_cpp, llama_drafts, max_new_tokens, threads, stop_at_eos, wanted, record
     )
+    costs, padding = _specrt_rows(
+        bundles, max_new_tokens, threads, stop_at_eos, wanted, record, guesses
+    )
+    compare_rows(rows, outputs)
+    settings = {
+        "max_new_tokens": max_new_tokens,
+        "stop_at_eos": stop_at_eos,
+        "repeat": repeat,
+        "greedy": True,
+        "prompts": len(prompts),
+        "precisions": [b.precision_label for b in bundles],
+        "prompt_sets": sorted({p["set"] for p in prompts}),
+        "categories": sorted(set(categories)),
+    }
+    return {
+        "kind": "bench",
+        "bundle": str(paths[0]),
+        "bundles": {b.precision_label: str(b.path) for b in bundles},
+        "machine": machine.describe(threads),
+        "settings": settings,
+        "configs": [asdict(r) for r in rows],
+        "costs": costs,
+        "row_padding": padding,
+        "quality": {b.precision_label: recorded_quality(b) for b in bundles},
+        "peak_rss_mb": peak_rss_mb(),
+        "notes": notes,
+    }
+
+
+def _specrt_rows(bundles, max_new_tokens, threads, stop_at_eos, wanted, record, guesses):
+    """Each bundle's specrt rows, one runtime in memory at a time; returns each bundle's
+    measured costs and row padding, by precision label."""
+    costs, padding = {}, {}
     for bundle in bundles:
         label = bundle.precision_label
         suffix = "" if label == "d-fp32_t-fp32" else f"_{label}"
-        every = specrt_configs(bundle_ks(bundle), suffix, bundle.has_draft, any(own))
+        every = specrt_configs(bundle_ks(bundle), suffix, bundle.has_draft, any(guesses["own"]))
         configs = [(n, o) for n, o in every if wanted(n)]
         if not configs:
             continue
@@ -158,29 +191,7 @@ def run_bench(
             record(name, runner, TARGET_ALONE + suffix)
         del rt
         gc.collect()
-    compare_rows(rows, outputs)
-    return {
-        "kind": "bench",
-        "bundle": str(paths[0]),
-        "bundles": {b.precision_label: str(b.path) for b in bundles},
-        "machine": machine.describe(threads),
-        "settings": {
-            "max_new_tokens": max_new_tokens,
-            "stop_at_eos": stop_at_eos,
-            "repeat": repeat,
-            "greedy": True,
-            "prompts": len(prompts),
-            "precisions": [b.precision_label for b in bundles],
-            "prompt_sets": sorted({p["set"] for p in prompts}),
-            "categories": sorted(set(categories)),
-        },
-        "configs": [asdict(r) for r in rows],
-        "costs": costs,
-        "row_padding": padding,
-        "quality": {b.precision_label: recorded_quality(b) for b in bundles},
-        "peak_rss_mb": peak_rss_mb(),
-        "notes": notes,
-    }
+    return costs, padding
 
 
 def _llamacpp_rows(bundles, hint, drafts, max_new_tokens, threads, stop_at_eos, wanted, record):

@@ -18,23 +18,16 @@ specrt's; `matches_specrt` counts how many of its one-client outputs equal specr
 
 from __future__ import annotations
 
-import time
-from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-
-import numpy as np
 
 from specrt import machine
 from specrt.bundle import Bundle
 from specrt.errors import SpecrtError
-from specrt.runtime import Scheduler, SpeculativeRuntime
-from specrt.runtime import Sequence as Running
-from specrt.runtime.sequence import per_token_latencies
+from specrt.runtime import SpeculativeRuntime
 from specrt.tools import llamacpp
 from specrt.tools.bench import current_rss_mb, row_padding
+from specrt.tools.load import llama_level, run_level
 from specrt.tools.prompts import prompt_input
 from specrt.tools.report import fmt, padding_lines, write_report
 
@@ -47,19 +40,6 @@ CONFIGS = {
     "fixed_4": {"controller": "fixed:4"},
     "adaptive": {"controller": "adaptive"},
 }
-
-
-@dataclass(frozen=True)
-class Served:
-    """One finished request, as any engine's closed loop records it (perf_counter seconds)."""
-
-    index: int  # the prompt's
-    sent: float
-    first: float  # when its first token arrived
-    end: float
-    tokens: list[int]
-    latencies: list[float]  # seconds per token after the first
-    ks: tuple[int, ...] = ()  # the K of each speculative round (specrt's)
 
 
 def bench_concurrency(
@@ -100,103 +80,6 @@ def bench_concurrency(
     return markdown(result)
 
 
-def run_level(
-    rt: SpeculativeRuntime,
-    prompts: list[list[int]],
-    options: dict,
-    concurrency: int,
-    max_new_tokens: int,
-    alone: dict[int, list[int]],
-) -> dict:
-    """Serve one level; return its figures."""
-    scheduler = Scheduler(rt.target, rt.costs, concurrency, rt.prefill_chunk)
-    count = max(4, 2 * concurrency)
-    todo = deque((i % len(prompts)) for i in range(count))
-    sent: dict[Running, tuple[int, float]] = {}
-    first: dict[Running, float] = {}
-    done: list[Served] = []
-    start = time.perf_counter()
-    while todo or scheduler.busy:
-        while todo and scheduler.has_room:
-            index = todo.popleft()
-            generation = rt.sequence(
-                prompts[index], max_new_tokens=max_new_tokens, ignore_eos=True, **options
-            )
-            scheduler.add(generation)
-            sent[generation] = (index, time.perf_counter())
-        step = scheduler.step()
-        now = time.perf_counter()
-        for generation in step.moved:
-            if generation.stops.length:
-                first.setdefault(generation, now)
-            if generation.result is not None:
-                index, at = sent[generation]
-                stats = generation.result.stats
-                done.append(
-                    Served(
-                        index,
-                        at,
-                        first[generation],
-                        now,
-                        generation.result.token_ids,
-                        stats.token_latencies(),
-                        tuple(stats.ks),
-                    )
-                )
-    return _figures(done, alone, time.perf_counter() - start)
-
-
-def llama_level(
-    base: str,
-    prompts: list[list[int]],
-    concurrency: int,
-    max_new_tokens: int,
-    alone: dict[int, list[int]],
-) -> dict:
-    """llama-server under the same closed loop: `concurrency` clients, each sending its next
-    request as soon as its last one ends, the same count of requests as specrt's levels."""
-    todo = deque((i % len(prompts)) for i in range(max(4, 2 * concurrency)))
-    done: list[Served] = []
-
-    def client() -> None:
-        while todo:
-            try:
-                index = todo.popleft()
-            except IndexError:  # another client took the last one
-                return
-            sent = time.perf_counter()
-            tokens, times = llamacpp.complete(base, prompts[index], max_new_tokens)
-            latencies = per_token_latencies(times, times[0])
-            done.append(Served(index, sent, sent + times[0], sent + times[-1], tokens, latencies))
-
-    start = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as pool:
-        for future in [pool.submit(client) for _ in range(concurrency)]:
-            future.result()
-    return _figures(done, alone, time.perf_counter() - start)
-
-
-def _figures(done: list[Served], alone: dict[int, list[int]], seconds: float) -> dict:
-    tokens = sum(len(s.tokens) for s in done)
-    per_request = [len(s.tokens) / (s.end - s.sent) for s in done]
-    latencies = [x for s in done for x in s.latencies]
-    ks = [k for s in done for k in s.ks]
-    same = [s.tokens == alone[s.index] for s in done]
-    return {
-        "requests": len(done),
-        "tokens": tokens,
-        "seconds": round(seconds, 3),
-        "aggregate_tokens_per_s": tokens / seconds,
-        "per_request_tokens_per_s": float(np.mean(per_request)),
-        "ttft_p50_ms": 1000 * float(np.percentile([s.first - s.sent for s in done], 50)),
-        "per_token_p50_ms": 1000 * float(np.percentile(latencies, 50)),
-        "per_token_p99_ms": 1000 * float(np.percentile(latencies, 99)),
-        "mean_k": float(np.mean(ks)) if ks else 0.0,
-        "identical_to_alone": all(same),
-        "mismatches": same.count(False),
-    }
-
-
 def run_concurrency(
     bundle_paths: Sequence[Path],
     prompts: list[dict],
@@ -217,8 +100,7 @@ def run_concurrency(
     draft model at each of `llama_drafts` (default: the bundle's K_max) drafted tokens."""
     entries, costs, padding, first = [], {}, {}, None
     for path in bundle_paths:
-        log(f"loading {path} with {max(levels)} slots (and calibrating the batch cost curves)")
-        rt = SpeculativeRuntime.load(path, slots=max(levels), threads=threads, prompt_cache=False)
+        rt = _load(path, levels, threads, log)
         label = rt.bundle.precision_label
         costs[label] = {str(n): round(1000 * s, 1) for n, s in rt.costs.curve().items()}
         padding[label] = row_padding(rt)
@@ -228,26 +110,7 @@ def run_concurrency(
             for i, p in enumerate(ids)
         }
         first = first or (rt.bundle, ids, alone)
-        configs = {
-            f"{config}_{label}": (config, options)
-            for config, options in CONFIGS.items()
-            if not only or config in only or f"{config}_{label}" in only
-        }
-        runs: dict[tuple[str, int], list[dict]] = {}
-        for level in levels:
-            for _ in range(repeat):
-                for name, (_, options) in configs.items():
-                    figures = run_level(rt, ids, options, level, max_new_tokens, alone)
-                    runs.setdefault((name, level), []).append(figures)
-                    log(
-                        f"  {name} x{level}: {figures['aggregate_tokens_per_s']:.1f} tok/s, "
-                        f"mean K {figures['mean_k']:.2f}, "
-                        f"identical {figures['identical_to_alone']}"
-                    )
-        for name, (config, _) in configs.items():
-            for level in levels:
-                entry = {"name": name, "config": config, "bundle": label, "concurrency": level}
-                entries.append({**entry, **_median(runs[name, level]), "rss_mb": current_rss_mb()})
+        entries += _bundle_entries(rt, ids, alone, levels, max_new_tokens, repeat, only, log)
         del rt
     notes = []
     if first is not None and (not only or any(name.startswith("llamacpp") for name in only)):
@@ -272,6 +135,39 @@ def run_concurrency(
         "goals": goals(entries),
         "notes": notes,
     }
+
+
+def _load(path: Path, levels: Sequence[int], threads, log: Log) -> SpeculativeRuntime:
+    log(f"loading {path} with {max(levels)} slots (and calibrating the batch cost curves)")
+    return SpeculativeRuntime.load(path, slots=max(levels), threads=threads, prompt_cache=False)
+
+
+def _bundle_entries(rt, ids, alone, levels, max_new_tokens, repeat, only, log: Log) -> list:
+    """One bundle's configurations at every level, each level's configurations in turn
+    `repeat` times over; an entry per configuration and level, its median run."""
+    label = rt.bundle.precision_label
+    configs = {
+        f"{config}_{label}": (config, options)
+        for config, options in CONFIGS.items()
+        if not only or config in only or f"{config}_{label}" in only
+    }
+    runs: dict[tuple[str, int], list[dict]] = {}
+    for level in levels:
+        for _ in range(repeat):
+            for name, (_, options) in configs.items():
+                figures = run_level(rt, ids, options, level, max_new_tokens, alone)
+                runs.setdefault((name, level), []).append(figures)
+                log(
+                    f"  {name} x{level}: {figures['aggregate_tokens_per_s']:.1f} tok/s, "
+                    f"mean K {figures['mean_k']:.2f}, "
+                    f"identical {figures['identical_to_alone']}"
+                )
+    entries = []
+    for name, (config, _) in configs.items():
+        for level in levels:
+            entry = {"name": name, "config": config, "bundle": label, "concurrency": level}
+            entries.append({**entry, **_median(runs[name, level]), "rss_mb": current_rss_mb()})
+    return entries
 
 
 def _llama_servers(

@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
+import specrt.engines.onnxruntime as ort_engine
 from specrt.bundle import Bundle
 from specrt.engines import load_engine
 from specrt.errors import SpecrtError
@@ -114,3 +115,29 @@ def test_export_check_refuses_a_graph_out_of_tolerance(pairs, tmp_path, monkeypa
     with pytest.raises(SpecrtError, match="exported logits differ from PyTorch by"):
         build_bundle(str(draft), str(target), tmp_path / "b", max_context=64, log=lambda _: None)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("last", [None, 1, 9])
+def test_a_long_row_goes_in_pieces_with_the_logits_of_one_call(bundles, monkeypatch, last):
+    """A row longer than PIECE tokens is fed PIECE a call, which bounds the memory of the
+    attention's scores; its logits and what its cache holds are the whole call's."""
+    engine = load_engine(Bundle.load(bundles["llama"]), "target", "onnxruntime")
+    whole = engine.forward(TOKENS, last)
+    after = engine.forward([5])
+    engine.reset()
+    monkeypatch.setattr(ort_engine, "PIECE", 7)
+    calls = []
+    call = engine._call
+    monkeypatch.setattr(engine, "_call", lambda rows, keep: calls.append(rows) or call(rows, keep))
+    pieces = engine.forward(TOKENS, last)
+    assert [len(tokens) for ((_, tokens),) in calls] == [7] * 5 + [5]
+    assert engine.length == len(TOKENS)
+    # Bit for bit where the row probe found this machine's calls cut-invariant (as it must
+    # for speculation to be exact here); the probe warns where it did not.
+    same = np.array_equal if engine.row_probe.exact else _close
+    assert same(pieces, whole)
+    assert same(engine.forward([5]), after)
+
+
+def _close(a: np.ndarray, b: np.ndarray) -> bool:
+    return bool(np.allclose(a, b, atol=1e-4, rtol=0))

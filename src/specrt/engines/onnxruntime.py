@@ -33,6 +33,7 @@ PROVIDER_OF_BACKEND = {
     "onnxruntime-tensorrt": "TensorrtExecutionProvider",
 }
 FLOAT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+PIECE = 512  # the most tokens of one row a call carries (a longer row goes in pieces)
 
 
 def default_threads() -> int:
@@ -121,7 +122,7 @@ class OrtEngine(BufferCache):
     ):
         """margin: cache positions past capacity that the graph covers, for padding (a graph
         from before per-row positions has none, and then holds one slot); even_rows: run every
-        call on an even number of rows (see `forward_rows`; `probe_rows` decides it)."""
+        call on an even number of rows (see `_call`; `probe_rows` decides it)."""
         if slots > 1 and not margin:
             raise SpecrtError(
                 f"{graph}: this graph shares one cache length across the batch (built before "
@@ -168,7 +169,7 @@ class OrtEngine(BufferCache):
         self._logits = np.empty(slots * 16 * vocab_size, self._logits_type)  # grows as needed
 
     def pad_to_even_rows(self, on: bool) -> None:
-        """Run every later call on an even number of rows (see `forward_rows`), or not."""
+        """Run every later call on an even number of rows (see `_call`), or not."""
         self.even_rows = on
         # Without a margin, a padding token needs a position inside the capacity.
         self.capacity = self._capacity - 1 if on and not self._margin else self._capacity
@@ -232,6 +233,29 @@ class OrtEngine(BufferCache):
         return self.forward_rows([(0, tokens)], last)[0]
 
     def forward_rows(self, rows: Sequence[RowCall], last: int | None = None) -> list[np.ndarray]:
+        """A long row (a prompt, a draft model's catch-up) in pieces (see `_in_pieces`), any
+        other call as one (see `_call`)."""
+        if len(rows) == 1 and len(rows[0][1]) > PIECE:
+            return [self._in_pieces(*rows[0], last)]
+        return self._call(rows, last)
+
+    def _in_pieces(self, slot: int, tokens: Sequence[int], last: int | None) -> np.ndarray:
+        """One row's tokens fed PIECE at a time, keeping the logits of its last `last`. A
+        call's attention holds a score for every pair of its tokens and the cache ([heads,
+        width, total] a layer): a 6,000-token prompt fed whole held 1.7 GB a layer of them, and
+        ONNX Runtime's arena keeps its high-water mark. Pieces bound that; their logits equal
+        the whole call's (the row probe holds every cut of a call to the same numbers)."""
+        keep = self._check(slot, tokens, last)
+        kept = []
+        for start in range(0, len(tokens), PIECE):
+            piece = tokens[start : start + PIECE]
+            wanted = keep - (len(tokens) - start - len(piece))  # kept logits in this piece
+            logits = self._call([(slot, piece)], max(1, min(wanted, len(piece))))[0]
+            if wanted > 0:
+                kept.append(logits)
+        return np.concatenate(kept)
+
+    def _call(self, rows: Sequence[RowCall], last: int | None) -> list[np.ndarray]:
         """One call over the slots from the lowest to the highest asked for (a slot's cache row
         is contiguous, so any such range binds in place). Each row's tokens go first and
         padding after (at its next positions, which no real token attends to and its next call

@@ -31,6 +31,7 @@ RENDERERS = {
     "ceilings": "ceilings",
     "gguf_forms": "gguf_forms",
     "grammar_engines": "grammar_engines",
+    "long_context": "long_context",
     "prefill_chunks": "prefill_chunks",
     "prompt_cache": "prompt_cache",
     "quant_quality": "quant_quality",

@@ -1,0 +1,119 @@
+"""Long prompts, one request at a time: time to first token and peak memory as the prompt grows,
+with the prompt fed to the engine whole or in pieces of several sizes.
+
+The prompt is specrt's own runtime, serve and engines source (this checkout's), cut to N tokens,
+with a question after it, as a chat message; the target alone answers (greedy, 8 new tokens,
+prompt cache off). Each row runs in a process of its own, so its peak RSS
+(`resource.getrusage`) is its own; the engines loaded take part of it (`loaded`).
+
+    python benchmarks/long_context.py BUNDLE [--sizes 1000,3000,6000] [--pieces 0,512,256] \
+        [--out benchmarks/results/cpu-long-context]
+
+A bundle built with `--max-context 8192` holds the 6,000-token prompts (the default stops at
+2,048). llama.cpp's rows are not part of it yet.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import click
+
+from specrt import machine
+from specrt.files import write_result
+
+HERE = Path(__file__).resolve().parent
+PACKAGE = HERE.parent / "src" / "specrt"
+QUESTION = "\n\nWhat does the code above do? Answer briefly."
+NEW_TOKENS = 8
+
+
+def source_text() -> str:
+    """Real text to cut prompts from: this checkout's runtime, serve and engines source."""
+    folders = ("runtime", "serve", "engines")
+    return "".join(p.read_text() for d in folders for p in sorted((PACKAGE / d).glob("*.py")))
+
+
+def one(bundle: str, size: int, piece: int) -> dict:
+    """One row, in this process: the prompt of `size` tokens fed in pieces of `piece` (0:
+    whole)."""
+    import specrt.engines.onnxruntime as engine
+    from specrt.runtime import SpeculativeRuntime
+
+    engine.PIECE = piece or 10**9
+    rt = SpeculativeRuntime.load(bundle, prompt_cache=False, calibrate=False)
+    loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    text = rt.tokenizer.decode(rt.tokenizer.encode(source_text())[:size])
+    prompt = [{"role": "user", "content": text + QUESTION}]
+    result = rt.generate(prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True, speculate=False)
+    return {
+        "size": size,
+        "piece": piece,
+        "prompt_tokens": result.stats.prompt_tokens,
+        "ttft_s": round(result.stats.ttft_seconds, 2),
+        "loaded_mb": round(loaded),
+        "peak_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+        "tokens": result.token_ids,
+    }
+
+
+def markdown(result: dict) -> str:
+    pieces = result["pieces"]
+    names = ["fed whole" if p == 0 else f"pieces of {p}" for p in pieces]
+    lines = [
+        "# Long prompts: first token and peak memory",
+        "",
+        f"The target alone, one request, greedy, {NEW_TOKENS} new tokens, prompt cache off; "
+        "a source file cut to N tokens and a question. Each cell: time to first token, peak "
+        f"RSS (the engines loaded: {result['loaded_mb'] / 1024:.1f} GB); = : every column's "
+        f"output is the same. `{result['command']}`",
+        "",
+        "| prompt tokens | " + " | ".join(names) + " | = |",
+        "|---" * (len(names) + 2) + "|",
+    ]
+    for size in result["sizes"]:
+        rows = [r for r in result["rows"] if r["size"] == size]
+        cells = [f"{r['ttft_s']:.1f} s, {r['peak_mb'] / 1024:.1f} GB" for r in rows]
+        same = all(r["tokens"] == rows[0]["tokens"] for r in rows)
+        count = f"{rows[0]['prompt_tokens']:,}"
+        lines.append(f"| {count} | " + " | ".join(cells) + f" | {'yes' if same else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
+@click.command()
+@click.argument("bundle", type=click.Path(exists=True, path_type=Path))
+@click.option("--sizes", default="1000,3000,6000", show_default=True, help="Prompt tokens.")
+@click.option("--pieces", default="0,512,256", show_default=True, help="0: the prompt whole.")
+@click.option("--out", type=Path, default=Path("benchmarks/results/cpu-long-context"))
+@click.option("--one", "one_row", nargs=2, type=int, default=None, hidden=True)
+def main(bundle: Path, sizes: str, pieces: str, out: Path, one_row) -> None:
+    if one_row:
+        print(json.dumps(one(str(bundle), *one_row)))
+        return
+    rows = []
+    for size in (int(n) for n in sizes.split(",")):
+        for piece in (int(n) for n in pieces.split(",")):
+            command = [sys.executable, __file__, str(bundle), "--one", str(size), str(piece)]
+            done = subprocess.run(command, capture_output=True, text=True, check=True)
+            rows.append(json.loads(done.stdout.splitlines()[-1]))
+            print(f"{size} tokens, piece {piece}: {rows[-1]['ttft_s']} s, {rows[-1]['peak_mb']} MB")
+    result = {
+        "kind": "long_context",
+        "machine": machine.describe(),
+        "command": f"python benchmarks/long_context.py BUNDLE --sizes {sizes} --pieces {pieces}",
+        "bundle": str(bundle),
+        "sizes": [int(n) for n in sizes.split(",")],
+        "pieces": [int(n) for n in pieces.split(",")],
+        "loaded_mb": min(r["loaded_mb"] for r in rows),
+        "rows": rows,
+    }
+    write_result(out, result, markdown(result))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()

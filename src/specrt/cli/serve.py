@@ -61,6 +61,12 @@ from specrt.runtime.scheduler import PREFILL_CHUNK
     help="Prompt tokens fed between rounds, so a long prompt joining stalls the running "
     "requests one chunk at most (0: each prompt whole).",
 )
+@click.option(
+    "--kv-budget",
+    default=None,
+    help="Cache positions the slots may hold at once, shared (65536), or a size (12GB): a "
+    "request waits until its prompt and max_tokens fit [default: every slot its full context].",
+)
 @click.option("--log-level", default="info", show_default=True)
 @click.option("--ray", "on_ray", is_flag=True, help="Serve on Ray Serve (the ray extra).")
 @click.option("--replicas", type=int, default=1, show_default=True, help="--ray: engine replicas.")
@@ -82,6 +88,7 @@ def serve(
     threads,
     prompt_cache,
     prefill_chunk,
+    kv_budget,
     log_level,
     on_ray,
     replicas,
@@ -113,6 +120,7 @@ def serve(
         threads=threads,
         prompt_cache=prompt_cache,
         prefill_chunk=prefill_chunk,
+        kv_budget=kv_budget,
     )
     ray = RayOptions(replicas=replicas, min_replicas=min_replicas, max_replicas=max_replicas)
     if not on_ray and (ray != RayOptions() or ray_address):

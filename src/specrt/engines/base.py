@@ -51,6 +51,10 @@ class Engine(Protocol):
     def rollback(self, length: int, slot: int = 0) -> None:
         """Keep only the first `length` positions of a slot; must cost O(1)."""
 
+    def release(self, slot: int, keep: int = 0) -> None:
+        """Keep at most a slot's first `keep` positions and give the memory of the rest back
+        where the backend can (the CPU engine's pages); a rollback where it cannot."""
+
     def held(self, slot: int = 0) -> Sequence[int]:
         """The tokens whose keys and values a slot holds, in order (its first lengths[slot])."""
 
@@ -126,6 +130,11 @@ class BufferCache:
         check_rollback(self, length, slot)
         self._lengths[slot] = length
 
+    def release(self, slot: int, keep: int = 0) -> None:
+        """A rollback to at most `keep`: a preallocated buffer has no memory to give back."""
+        check_slot(self, slot)
+        self._lengths[slot] = min(self._lengths[slot], keep)
+
 
 class OneSlot:
     """For engines that hold one sequence: a batched call can only be that one row."""
@@ -134,6 +143,10 @@ class OneSlot:
 
     def copy_prefix(self, source: int, slot: int, length: int) -> bool:
         return False  # one slot: nothing to copy from
+
+    def release(self, slot: int, keep: int = 0) -> None:
+        """A rollback to at most `keep`: the memory stays the backend's."""
+        self.rollback(min(keep, self.length), slot)
 
     def forward_rows(self, rows: Sequence[RowCall], last: int | None = None) -> list[np.ndarray]:
         if len(rows) != 1 or rows[0][0] != 0:

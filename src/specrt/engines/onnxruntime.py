@@ -11,6 +11,7 @@ transformers.
 
 from __future__ import annotations
 
+import mmap
 import os
 import warnings
 from collections.abc import Sequence
@@ -33,7 +34,11 @@ PROVIDER_OF_BACKEND = {
     "onnxruntime-tensorrt": "TensorrtExecutionProvider",
 }
 FLOAT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
-PIECE = 512  # the most tokens of one row a call carries (a longer row goes in pieces)
+# The most tokens of one row a call carries; a longer row goes in pieces. Measured on the
+# default pair, a 6,039-token prompt alone: fed whole, 133.6 s to the first token and a peak
+# RSS of 7.1 GB; in pieces of 512 tokens, 104.5 s and 3.4 GB; of 256, 99.3 s and 3.1 GB
+# (docs/limits.md, "Long prompts").
+PIECE = 256
 
 
 def default_threads() -> int:
@@ -158,6 +163,7 @@ class OrtEngine(BufferCache):
         self._cache_type = FLOAT_TYPES[types["past_key_values.0.key"]]
         self._logits_type = FLOAT_TYPES[types["logits"]]
         self._row_shape = [num_kv_heads, self._positions_held, head_dim]
+        self._pages: list[mmap.mmap] = []  # the CPU caches' mappings (see `release`)
         self._caches = [
             self._zeros([slots, *self._row_shape], f"past_key_values.{i}.{kind}")
             for i in range(num_layers)
@@ -189,13 +195,45 @@ class OrtEngine(BufferCache):
         return self.row_probe
 
     def _zeros(self, shape: list[int], name: str) -> tuple[str, ort.OrtValue, np.ndarray | None]:
-        """A zeroed cache buffer. Rows shorter than a batched call's longest read keys past
-        their own length (masked out, weight 0), and 0 times uninitialised memory that happens
-        to hold a NaN would still be NaN. A CPU OrtValue uses the numpy array's memory, so that
-        array is kept; a device copy does not need it."""
-        host = np.zeros(shape, self._cache_type)
+        """A zeroed cache buffer in an anonymous mapping of its own: the system commits a page
+        only when it is first written, so positions no sequence reached cost no memory, and
+        `release` hands a slot's pages back (they read as zeros again). Zeros matter: rows
+        shorter than a batched call's longest read keys past their own length (masked out,
+        weight 0), and 0 times uninitialised memory that happens to hold a NaN is still NaN. A
+        CPU OrtValue uses the array's memory, so it is kept; a device copy does not need it."""
+        size = int(np.prod(shape)) * np.dtype(self._cache_type).itemsize
+        private = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+        # Private: a shared anonymous mapping keeps its data through MADV_DONTNEED.
+        pages = mmap.mmap(-1, size, flags=private) if private else mmap.mmap(-1, size)
+        host = np.frombuffer(pages, self._cache_type).reshape(shape)
         value = ort.OrtValue.ortvalue_from_numpy(host, self.device, 0)
-        return name, value, host if self.device == "cpu" else None
+        if self.device != "cpu":
+            return name, value, None
+        self._pages.append(pages)
+        return name, value, host
+
+    @property
+    def position_bytes(self) -> int:
+        """Cache bytes one position of one slot takes (keys and values of every layer)."""
+        return len(self._caches) * self._row_bytes // self._positions_held
+
+    def release(self, slot: int, keep: int = 0) -> None:
+        """Roll the slot back to at most `keep` positions and hand the pages after them back to
+        the system (`madvise(MADV_DONTNEED)`: they read as zeros when next touched), so the
+        resident cache follows the sequences the slots hold, not the longest they ever held."""
+        super().release(slot, keep)
+        if self.device != "cpu" or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        heads, positions, head_dim = self._row_shape
+        per_position = self._row_bytes // (heads * positions)
+        for pages in self._pages:
+            for head in range(heads):
+                start = slot * self._row_bytes + (head * positions + keep) * per_position
+                end = slot * self._row_bytes + (head + 1) * positions * per_position
+                start = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages only
+                end = end // mmap.PAGESIZE * mmap.PAGESIZE
+                if start < end:
+                    pages.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     @classmethod
     def from_bundle(
@@ -242,9 +280,9 @@ class OrtEngine(BufferCache):
     def _in_pieces(self, slot: int, tokens: Sequence[int], last: int | None) -> np.ndarray:
         """One row's tokens fed PIECE at a time, keeping the logits of its last `last`. A
         call's attention holds a score for every pair of its tokens and the cache ([heads,
-        width, total] a layer): a 6,000-token prompt fed whole held 1.7 GB a layer of them, and
-        ONNX Runtime's arena keeps its high-water mark. Pieces bound that; their logits equal
-        the whole call's (the row probe holds every cut of a call to the same numbers)."""
+        width, total] floats a layer: 1.7 GB for 12 heads at 6,000 tokens), and ONNX Runtime's
+        arena keeps its high-water mark. Pieces bound that, and were faster too; their logits
+        equal the whole call's (the row probe holds every cut of a call to the same numbers)."""
         keep = self._check(slot, tokens, last)
         kept = []
         for start in range(0, len(tokens), PIECE):

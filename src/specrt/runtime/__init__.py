@@ -1,6 +1,7 @@
 """The lean runtime: numpy, onnxruntime and tokenizers only (no torch, no transformers)."""
 
 from specrt.runtime.api import SpeculativeRuntime
+from specrt.runtime.budget import KVBudget
 from specrt.runtime.generation import Generation
 from specrt.runtime.grammar import Structure
 from specrt.runtime.logprobs import TokenLogprob
@@ -11,6 +12,7 @@ from specrt.runtime.sequence import Result, Sequence, Stats
 
 __all__ = [
     "Generation",
+    "KVBudget",
     "Options",
     "Result",
     "SamplingParams",

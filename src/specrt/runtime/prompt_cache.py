@@ -33,17 +33,18 @@ def shared_length(held: Sequence[int], tokens: Sequence[int]) -> int:
 def take_slot(engine: Engine, slot: int, prompt: Sequence[int], reuse: bool = True) -> int:
     """Make `slot` hold the longest prefix of the prompt that a slot of the engine holds, all
     but its last token at most (whose logits the caller needs: it feeds at least that one), and
-    return its length; with reuse off (benchmarks measuring prefill), start the slot empty."""
-    if not reuse:
-        engine.reset(slot)
-        return 0
-    wanted = prompt[: len(prompt) - 1]
-    found = {s: shared_length(engine.held(s), wanted) for s in range(engine.slots)}
-    source = max(found, key=lambda s: (found[s], s == slot))  # the own slot on a tie
-    if source != slot and engine.copy_prefix(source, slot, found[source]):
-        return found[source]
-    engine.rollback(found[slot], slot)
-    return found[slot]
+    return its length; with reuse off (benchmarks measuring prefill), start the slot empty.
+    What the slot held past that prefix is released (its memory given back, see
+    `Engine.release`): a slot's cache follows the sequence it now serves."""
+    kept = 0
+    if reuse:
+        wanted = prompt[: len(prompt) - 1]
+        found = {s: shared_length(engine.held(s), wanted) for s in range(engine.slots)}
+        source = max(found, key=lambda s: (found[s], s == slot))  # the own slot on a tie
+        copied = source != slot and engine.copy_prefix(source, slot, found[source])
+        kept = found[source] if copied else found[slot]
+    engine.release(slot, kept)
+    return kept
 
 
 def choose_slot(

@@ -7,6 +7,8 @@ interruptions, seat, then feed prompts or run one round, and report the sequence
 - **One queue.** Sequences wait in FIFO order in `waiting`, bounded by `max_queue` beyond the
   free slots (a server's --max-queue: `add` refuses with `Busy` past it); they are seated
   between rounds, each in a free slot.
+- **A KV budget** (optional, `budget.py`): a sequence is seated only where the cache positions
+  it may need fit beside the seated ones'; idle slots give their memory back to make room.
 - **One place for deadlines and cancellation.** At the start of every step, each sequence past
   its deadline or cancelled ends (`_interrupt`): a waiting one without ever taking a slot, a
   running one after the round in flight. `abort` (or `Sequence.cancel`, from any thread) only
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 
 from specrt.engines.base import Engine
 from specrt.errors import Busy
+from specrt.runtime.budget import KVBudget
 from specrt.runtime.costs import StepCosts
 from specrt.runtime.prompt_cache import choose_slot
 from specrt.runtime.sequence import RUNNING, Sequence
@@ -53,6 +56,7 @@ class Scheduler:
         slots: int = 1,
         chunk: int | None = PREFILL_CHUNK,
         max_queue: int | None = None,
+        budget: KVBudget | None = None,
     ):
         if slots > target.slots:
             raise ValueError(f"{slots} slots asked of an engine that holds {target.slots}")
@@ -60,6 +64,7 @@ class Scheduler:
             raise ValueError(f"a prefill chunk must be at least 1 token, got {chunk}")
         self.target, self.costs, self.slots, self.chunk = target, costs, slots, chunk
         self.max_queue = max_queue  # sequences waiting beyond the free slots (None: no bound)
+        self.budget = budget  # cache positions the slots may hold at once (None: every slot full)
         self.waiting: deque[Sequence] = deque()
         self._lock = threading.Lock()  # `add` may come from another thread than `step`
         self.prefilling: deque[Sequence] = deque()  # in a slot, their prompt partly fed
@@ -92,7 +97,10 @@ class Scheduler:
         return max(0, self.active + len(self.waiting) - self.slots)
 
     def add(self, sequence: Sequence) -> None:
-        """Queue it (from any thread); `Busy` where max_queue are already waiting."""
+        """Queue it (from any thread); `Busy` where max_queue are already waiting, an error
+        where it could never fit the KV budget."""
+        if self.budget is not None:
+            self.budget.check(sequence)
         with self._lock:
             if self.max_queue is not None and self.depth >= self.max_queue:
                 raise Busy(
@@ -147,12 +155,29 @@ class Scheduler:
         return [sequence for sequence, _ in ended]
 
     def _seat(self) -> None:
-        """Waiting sequences into free slots."""
+        """Waiting sequences into free slots, in order, while the KV budget has room."""
         with self._lock:
             while self.waiting and self.active < self.slots:
-                sequence = self.waiting.popleft()
-                sequence.seat(self._free_slot(sequence))
+                sequence = self.waiting[0]
+                slot = self._free_slot(sequence)
+                if not self._fits(sequence, slot):
+                    break  # it waits for a seated sequence to end
+                self.waiting.popleft()
+                sequence.seat(slot)
                 self.prefilling.append(sequence)
+
+    def _fits(self, sequence: Sequence, slot: int) -> bool:
+        """Whether the KV budget has room for it in this slot beside what the seated may need;
+        idle slots give back what they hold, the one released longest ago first, as far as
+        that takes (see budget.py)."""
+        if self.budget is None:
+            return True
+        seated = [*self.prefilling, *self.running.values()]
+        reserved = sum(map(self.budget.need, [*seated, sequence]))
+        busy = {s.slot for s in seated} | {slot}
+        idle = [s for s in range(self.target.slots) if s not in busy]
+        idle.sort(key=lambda s: self._released.get(s, 0))
+        return self.budget.make_room(reserved, idle)
 
     def _free_slot(self, sequence: Sequence) -> int:
         """The lowest free slot, or with the prompt cache on, the one that keeps the most for

@@ -20,6 +20,7 @@ from starlette.concurrency import run_in_threadpool
 from specrt.bundle import Bundle
 from specrt.errors import SpecrtError
 from specrt.runtime import Sequence, SpeculativeRuntime
+from specrt.runtime.budget import KVBudget
 from specrt.runtime.drafters import DRAFTERS
 from specrt.serve.errors import APIError
 from specrt.serve.events import Event
@@ -107,8 +108,9 @@ class LocalService:
         self.runtime = runtime
 
     def _worker(self, runtime: SpeculativeRuntime) -> Worker:
-        batch = min(self.settings.max_batch, runtime.slots)
-        return Worker(runtime, batch, self.settings.max_queue, self.metrics)
+        batch, spec = min(self.settings.max_batch, runtime.slots), self.settings.kv_budget
+        budget = None if spec is None else KVBudget.parse(spec, [runtime.target, runtime.draft])
+        return Worker(runtime, batch, self.settings.max_queue, self.metrics, budget)
 
     def stop(self) -> None:
         if self.worker is not None:
@@ -145,6 +147,8 @@ class LocalService:
                 "precision": bundle.precision_label,
                 "drafters": list(DRAFTERS) if bundle.has_draft else ["ngram"],
             }
+            if self.worker is not None and self.worker.scheduler.budget is not None:
+                card["kv_budget"] = self.worker.scheduler.budget.positions
         return card
 
     def sequences(self, body: Body) -> list[Sequence]:

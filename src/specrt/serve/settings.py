@@ -8,6 +8,7 @@ from pathlib import Path
 
 from specrt.bundle import Bundle
 from specrt.errors import SpecrtError
+from specrt.runtime.budget import SIZE
 from specrt.runtime.controller import make_controller
 from specrt.runtime.scheduler import PREFILL_CHUNK
 
@@ -29,6 +30,7 @@ class ServeSettings:
     calibrate: bool = True  # measure the cost curves before reporting ready
     prompt_cache: bool = True  # a prompt starts from what a slot already holds of it
     prefill_chunk: int = PREFILL_CHUNK  # prompt tokens fed between rounds (0: each whole)
+    kv_budget: str | None = None  # cache positions ("65536") or bytes ("12GB") slots share
 
     @property
     def served_model(self) -> str:
@@ -53,6 +55,11 @@ class ServeSettings:
         if self.max_queue < 1:
             raise SpecrtError(
                 f"--max-queue must be >= 1 (requests wait there), got {self.max_queue}"
+            )
+        if self.kv_budget is not None and not SIZE.match(self.kv_budget):
+            raise SpecrtError(
+                f"--kv-budget takes positions (65536) or a size (12GB, 8GiB), got "
+                f"{self.kv_budget!r}"
             )
 
 

@@ -21,6 +21,7 @@ import threading
 
 from specrt.errors import Busy, EngineFailure, SpecrtError, TimedOut, Unavailable
 from specrt.runtime import Scheduler, Sequence, SpeculativeRuntime
+from specrt.runtime.budget import KVBudget
 from specrt.serve.errors import APIError
 from specrt.serve.events import Delta, Done, Event, Failed
 from specrt.serve.metrics import Metrics
@@ -55,11 +56,16 @@ class Job:
 
 class Worker:
     def __init__(
-        self, runtime: SpeculativeRuntime, max_batch: int, max_queue: int, metrics: Metrics
+        self,
+        runtime: SpeculativeRuntime,
+        max_batch: int,
+        max_queue: int,
+        metrics: Metrics,
+        budget: KVBudget | None = None,
     ):
         self.metrics = metrics
         self.scheduler = Scheduler(
-            runtime.target, runtime.costs, max_batch, runtime.prefill_chunk, max_queue
+            runtime.target, runtime.costs, max_batch, runtime.prefill_chunk, max_queue, budget
         )
         self._jobs: dict[Sequence, Job] = {}  # submitted, not yet ended
         self._cond = threading.Condition()

@@ -1,0 +1,85 @@
+"""The KV budget: how many cache positions the slots may hold at once, shared by them all.
+
+Every slot of an engine can hold the bundle's whole context, and a CPU slot's memory is
+committed only as it is written (see `OrtEngine.release`), so memory follows the sequences
+seated, not the worst case: eight slots of a 32k-context bundle cost nothing until eight long
+conversations fill them, and then 21 GB for the default pair. A budget bounds that sum, as
+llama-server's `-c` bounds the context its slots share. A sequence is seated only where the
+positions it may need (its prompt and its token budget: it must never run out mid-answer)
+fit beside what the seated sequences may need and what the idle slots still hold for the
+prompt cache; to make room, idle slots give their memory back, the one released longest ago
+first. A sequence that could never fit is refused when it is added.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+
+from specrt.engines.base import Engine
+from specrt.errors import SpecrtError
+
+UNITS = {"k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
+SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:(k|m|g|ki|mi|gi)b|(tokens?)?)\s*$", re.I)
+
+
+class KVBudget:
+    def __init__(self, positions: int, engines: Iterable[Engine | None]):
+        """positions: what the slots may hold at once; engines: every engine whose slots
+        hold a sequence's cache (the target, and the draft model where there is one)."""
+        if positions < 1:
+            raise SpecrtError(f"--kv-budget must be at least one position, got {positions}")
+        self.positions = positions
+        self.engines = [engine for engine in engines if engine is not None]
+
+    @classmethod
+    def parse(cls, spec: str, engines: Sequence[Engine | None]) -> KVBudget:
+        """A budget in positions ("65536", "65536 tokens") or bytes ("12GB", "8GiB"), the
+        bytes split by what one position costs all the engines."""
+        match = SIZE.match(spec)
+        if match is None:
+            raise SpecrtError(
+                f"--kv-budget takes positions (65536) or a size (12GB, 8GiB), got {spec!r}"
+            )
+        value, unit = float(match.group(1)), match.group(2)
+        if unit is None:
+            return cls(int(value), engines)
+        costs = [getattr(e, "position_bytes", None) for e in engines if e is not None]
+        if None in costs:
+            raise SpecrtError(
+                "--kv-budget as a size needs the ONNX Runtime engines; give positions"
+            )
+        return cls(int(value * UNITS[unit.lower()] // sum(costs)), engines)
+
+    def need(self, sequence) -> int:
+        """The positions a sequence may come to hold: its prompt and every token it may emit,
+        within the context."""
+        capacity = self.engines[0].capacity
+        return min(capacity, len(sequence.prompt) + sequence.max_new_tokens)
+
+    def check(self, sequence) -> None:
+        """Refuse a sequence no emptying of the slots would make room for."""
+        need = self.need(sequence)
+        if need > self.positions:
+            raise SpecrtError(
+                f"the request may need {need} cache positions (a prompt of "
+                f"{len(sequence.prompt)} tokens and up to {sequence.max_new_tokens} new ones), "
+                f"more than the server's --kv-budget of {self.positions}; send a shorter "
+                "prompt or a smaller max_tokens",
+                param="max_tokens",
+            )
+
+    def make_room(self, reserved: int, idle: list[int]) -> bool:
+        """Whether `reserved` positions (what the seated sequences and the one joining may
+        need) fit beside what the idle slots hold, after releasing idle slots in the order
+        given (the one released longest ago first) as far as that takes."""
+        target = self.engines[0]
+        held = [(slot, target.lengths[slot]) for slot in idle if target.lengths[slot]]
+        cached = sum(length for _, length in held)
+        for slot, length in held:
+            if reserved + cached <= self.positions:
+                break
+            for engine in self.engines:
+                engine.release(slot)
+            cached -= length
+        return reserved + cached <= self.positions

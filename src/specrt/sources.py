@@ -103,12 +103,6 @@ def load_config(source: Source):
         raise SpecrtError(f"cannot read the model config of {source.spec}: {err}") from err
 
 
-def context_limit(source: Source) -> int | None:
-    """The most positions the model was built for (max_position_embeddings), from its config
-    alone, so a build can pick its context before loading any weights."""
-    return getattr(load_config(source), "max_position_embeddings", None)
-
-
 def load_tokenizer(source: Source):
     """The transformers fast tokenizer (it can be saved as tokenizer.json for the lean runtime)."""
     from transformers import AutoTokenizer

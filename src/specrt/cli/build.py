@@ -26,7 +26,7 @@ from specrt.files import specrt_home
     "--max-context",
     type=int,
     default=None,
-    help="KV cache positions [default: the smaller of 2048 and the models' own limit].",
+    help="KV cache positions [default: the models' own context, e.g. 32768 for Qwen2.5].",
 )
 @click.option("--force", is_flag=True, help="Replace an existing bundle.")
 @click.option(

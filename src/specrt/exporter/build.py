@@ -29,6 +29,7 @@ from specrt.exporter.check import (
     reference_logits,
     sample_ids,
 )
+from specrt.exporter.families import family_of
 from specrt.exporter.graph import model_shape, write_graph
 from specrt.exporter.precision import Precision, convert_float16
 from specrt.exporter.projections import projections_for
@@ -37,7 +38,7 @@ from specrt.exporter.tensors import open_weights
 from specrt.files import atomic_dir, hash_tree, write_json_atomic
 from specrt.machine import versions
 from specrt.profiles import Profile, plan_profiles
-from specrt.sources import Source, context_limit, load_tokenizer
+from specrt.sources import Source, load_config, load_tokenizer
 
 Log = Callable[[str], None]
 
@@ -88,7 +89,7 @@ def _versions() -> dict:
     return {"specrt": __version__, **found}
 
 
-DEFAULT_CONTEXT = 2048
+FALLBACK_CONTEXT = 2048  # a model whose config names no context of its own
 
 
 def build_bundle(
@@ -107,7 +108,8 @@ def build_bundle(
     """Export, check and write a bundle atomically; return its path.
 
     draft None builds a target-only bundle, which speculates by lookup (n-gram) alone.
-    max_context None takes the smaller of 2048 and every model's own limit. precision maps a
+    max_context None takes the models' own context (the smaller of the two; see _own_context:
+    every slot can hold it, and a CPU slot's memory follows what it holds). precision maps a
     role to its weight precision (float32 where not given); tensorrt, when given, also compiles
     each role's graph into a TensorRT engine (and fails before any export where TensorRT or a
     GPU is missing).
@@ -125,8 +127,7 @@ def build_bundle(
                 "not a GGUF file; pick int4 or int8 for other sources"
             )
     if max_context is None:
-        limits = [n for n in map(context_limit, sources.values()) if n]
-        max_context = min([DEFAULT_CONTEXT, *limits])
+        max_context = min(map(_own_context, sources.values()))
     if max_context < window + 2:
         raise SpecrtError(f"--max-context {max_context} leaves no room for {window} drafts")
     plan = _Plan(max_context, plan_profiles(max_context, window), tensorrt, log)
@@ -155,6 +156,15 @@ def build_bundle(
         write_json_atomic(tmp / MANIFEST, manifest)
         log(f"writing bundle {out}")
     return out
+
+
+def _own_context(source: Source) -> int:
+    """The context a model was built for (max_position_embeddings), less the cache margin where
+    its rotary covers only so many positions (longrope's original length)."""
+    config = load_config(source)
+    own = getattr(config, "max_position_embeddings", None) or FALLBACK_CONTEXT
+    rotary = family_of(config).max_capacity()
+    return own if rotary is None else min(own, rotary - CACHE_MARGIN)
 
 
 def _tokenizers(sources: dict[str, Source]) -> tuple[dict, dict[str, str]]:

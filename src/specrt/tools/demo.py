@@ -83,7 +83,7 @@ def real_bundle(config: dict, log: Log) -> Path:
             str(paths["target"]),
             bundle,
             max_draft=config["max_draft"],
-            max_context=config["max_context"],
+            max_context=config.get("max_context"),  # default: the models' own
             precision={role: Precision(w) for role, w in weights.items()},
             force=True,
             log=log,

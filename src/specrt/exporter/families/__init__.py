@@ -66,15 +66,21 @@ class Family:
             return [window if kind == "sliding_attention" else None for kind in types]
         return [window] * config.num_hidden_layers
 
-    def check_capacity(self, capacity: int) -> None:
-        """Refuse a cache its rotary cannot cover with one table: longrope (Phi-3.5, Phi-4-mini)
-        turns to its long factors for the whole sequence once it passes its original length."""
+    def max_capacity(self) -> int | None:
+        """The most cache positions one rotary table covers (None: as many as the model has):
+        longrope (Phi-3.5, Phi-4-mini) turns to its long factors for the whole sequence once it
+        passes its original length, so a cache built once stops there."""
         config = self.config
         parameters = getattr(config, "rope_parameters", None) or {}
         original = parameters.get("original_max_position_embeddings") or getattr(
             config, "original_max_position_embeddings", None
         )
-        if parameters.get("rope_type") == "longrope" and original and capacity > original:
+        return original if parameters.get("rope_type") == "longrope" else None
+
+    def check_capacity(self, capacity: int) -> None:
+        """Refuse a cache its rotary cannot cover with one table (`max_capacity`)."""
+        original = self.max_capacity()
+        if original and capacity > original:
             raise SpecrtError(
                 "config.rope_parameters: longrope turns to its long factors for the whole "
                 f"sequence once it passes original_max_position_embeddings ({original}); a "

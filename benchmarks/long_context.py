@@ -30,6 +30,7 @@ HERE = Path(__file__).resolve().parent
 PACKAGE = HERE.parent / "src" / "specrt"
 QUESTION = "\n\nWhat does the code above do? Answer briefly."
 NEW_TOKENS = 8
+ANSWER = 64  # new tokens of the speculation rows
 
 
 def source_text() -> str:
@@ -61,7 +62,33 @@ def one(bundle: str, size: int, piece: int) -> dict:
     }
 
 
+def speculation_row(bundle: str, size: int) -> dict:
+    """One size, in this process: the target alone, then adaptive speculation, each answering
+    ANSWER tokens after the same prompt (each pays its own prefill)."""
+    from specrt.runtime import SpeculativeRuntime
+
+    rt = SpeculativeRuntime.load(bundle, prompt_cache=False)
+    text = rt.tokenizer.decode(rt.tokenizer.encode(source_text())[:size])
+    prompt = [{"role": "user", "content": text + QUESTION}]
+    row = {"size": size}
+    for name, options in (("target", {"speculate": False}), ("adaptive", {})):
+        result = rt.generate(prompt, max_new_tokens=ANSWER, ignore_eos=True, **options)
+        s = result.stats
+        row["prompt_tokens"] = s.prompt_tokens
+        row[name] = {
+            "ttft_s": round(s.ttft_seconds, 2),
+            "decode_tokens_per_s": round(
+                (s.new_tokens - 1) / (s.total_seconds - s.ttft_seconds), 2
+            ),
+            "mean_k": round(sum(s.ks) / max(1, len(s.ks)), 2),
+            "tokens": result.token_ids,
+        }
+    return row
+
+
 def markdown(result: dict) -> str:
+    if result.get("mode") == "speculation":
+        return _speculation_markdown(result)
     pieces = result["pieces"]
     names = ["fed whole" if p == 0 else f"pieces of {p}" for p in pieces]
     lines = [
@@ -84,15 +111,47 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _speculation_markdown(result: dict) -> str:
+    lines = [
+        "# Long prompts: what speculation gains after them",
+        "",
+        f"One request, greedy, {ANSWER} new tokens, prompt cache off, the default draft and "
+        f"target; a source file cut to N tokens and a question. `{result['command']}`",
+        "",
+        "| prompt tokens | target alone: first token, decode tok/s | adaptive: first token, "
+        "decode tok/s, mean K | decode gain | same output |",
+        "|---|---|---|---|---|",
+    ]
+    for row in result["rows"]:
+        alone, spec = row["target"], row["adaptive"]
+        gain = spec["decode_tokens_per_s"] / alone["decode_tokens_per_s"]
+        lines.append(
+            f"| {row['prompt_tokens']:,} | {alone['ttft_s']:.1f} s, "
+            f"{alone['decode_tokens_per_s']:.2f} | {spec['ttft_s']:.1f} s, "
+            f"{spec['decode_tokens_per_s']:.2f}, K {spec['mean_k']:.1f} | {gain:.2f}× | "
+            f"{'yes' if alone['tokens'] == spec['tokens'] else 'NO'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 @click.command()
 @click.argument("bundle", type=click.Path(exists=True, path_type=Path))
 @click.option("--sizes", default="1000,3000,6000", show_default=True, help="Prompt tokens.")
 @click.option("--pieces", default="0,512,256", show_default=True, help="0: the prompt whole.")
 @click.option("--out", type=Path, default=Path("benchmarks/results/cpu-long-context"))
+@click.option("--speculation", is_flag=True, help="Target alone against adaptive, per size.")
 @click.option("--one", "one_row", nargs=2, type=int, default=None, hidden=True)
-def main(bundle: Path, sizes: str, pieces: str, out: Path, one_row) -> None:
+def main(bundle: Path, sizes: str, pieces: str, out: Path, speculation: bool, one_row) -> None:
     if one_row:
-        print(json.dumps(one(str(bundle), *one_row)))
+        size, piece = one_row
+        print(
+            json.dumps(
+                speculation_row(str(bundle), size) if speculation else one(str(bundle), size, piece)
+            )
+        )
+        return
+    if speculation:
+        _compare_speculation(bundle, sizes, out)
         return
     rows = []
     for size in (int(n) for n in sizes.split(",")):
@@ -109,6 +168,29 @@ def main(bundle: Path, sizes: str, pieces: str, out: Path, one_row) -> None:
         "sizes": [int(n) for n in sizes.split(",")],
         "pieces": [int(n) for n in pieces.split(",")],
         "loaded_mb": min(r["loaded_mb"] for r in rows),
+        "rows": rows,
+    }
+    write_result(out, result, markdown(result))
+    print(markdown(result))
+
+
+def _compare_speculation(bundle: Path, sizes: str, out: Path) -> None:
+    rows = []
+    for size in (int(n) for n in sizes.split(",")):
+        command = [sys.executable, __file__, str(bundle), "--speculation", "--one", str(size), "0"]
+        done = subprocess.run(command, capture_output=True, text=True, check=True)
+        rows.append(json.loads(done.stdout.splitlines()[-1]))
+        print(
+            f"{size} tokens: {rows[-1]['target']['decode_tokens_per_s']} / "
+            f"{rows[-1]['adaptive']['decode_tokens_per_s']} tok/s",
+            flush=True,
+        )
+    result = {
+        "kind": "long_context",
+        "mode": "speculation",
+        "machine": machine.describe(),
+        "command": f"python benchmarks/long_context.py BUNDLE --speculation --sizes {sizes}",
+        "bundle": str(bundle),
         "rows": rows,
     }
     write_result(out, result, markdown(result))

@@ -9,6 +9,7 @@ import openai
 import pytest
 from servers import client, serving, wait_healthy
 
+from specrt import machine
 from specrt.bundle import Bundle
 from specrt.engines import load_engine
 from specrt.errors import SpecrtError
@@ -119,3 +120,20 @@ def test_the_server_refuses_a_request_past_its_budget_with_a_400(bundles):
         assert ok.choices[0].text
         with pytest.raises(openai.BadRequestError, match="--kv-budget of 40"):
             api.completions.create(model="tiny", prompt="Hello", max_tokens=60, temperature=0)
+
+
+def test_without_a_budget_a_server_takes_what_the_memory_available_holds(
+    runtime, monkeypatch, tmp_path
+):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:   20000000 kB\n")
+    assert machine.available_memory(str(meminfo)) == 20000000 * 1024
+    assert machine.available_memory(str(tmp_path / "none")) is None
+    engines = [runtime.target, runtime.draft]
+    per_position = runtime.target.position_bytes + runtime.draft.position_bytes
+    monkeypatch.setattr(machine, "available_memory", lambda: 100 * per_position)
+    assert KVBudget.fitting(engines, slots=3).positions == 80  # 80 % of it
+    monkeypatch.setattr(machine, "available_memory", lambda: 10**6 * per_position)
+    assert KVBudget.fitting(engines, slots=3) is None  # every slot's context fits anyway
+    monkeypatch.setattr(machine, "available_memory", lambda: None)
+    assert KVBudget.fitting(engines, slots=3) is None

@@ -77,6 +77,17 @@ def describe(threads: int | None = None) -> dict:
     }
 
 
+def available_memory(meminfo: str = "/proc/meminfo") -> int | None:
+    """Bytes the system can give without swapping (Linux's MemAvailable), None where unknown."""
+    try:
+        for line in Path(meminfo).read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def label(machine: dict) -> str:
     """One line naming a recorded machine: 'AMD EPYC (AVX2, AVX-512, AVX512-VNNI), 2 cores,
     onnxruntime 1.32.0'. Results written before the SIMD features were recorded say so."""

@@ -65,7 +65,8 @@ from specrt.runtime.scheduler import PREFILL_CHUNK
     "--kv-budget",
     default=None,
     help="Cache positions the slots may hold at once, shared (65536), or a size (12GB): a "
-    "request waits until its prompt and max_tokens fit [default: every slot its full context].",
+    "request waits until its prompt and max_tokens fit [default: what 80% of the memory "
+    "available at load holds, where every slot's full context would not fit].",
 )
 @click.option("--log-level", default="info", show_default=True)
 @click.option("--ray", "on_ray", is_flag=True, help="Serve on Ray Serve (the ray extra).")

@@ -8,7 +8,8 @@ llama-server's `-c` bounds the context its slots share. A sequence is seated onl
 positions it may need (its prompt and its token budget: it must never run out mid-answer)
 fit beside what the seated sequences may need and what the idle slots still hold for the
 prompt cache; to make room, idle slots give their memory back, the one released longest ago
-first. A sequence that could never fit is refused when it is added.
+first. A sequence that could never fit is refused when it is added. A server without a
+budget of its own takes what most of the memory available at load holds (`fitting`).
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 
+from specrt import machine
 from specrt.engines.base import Engine
 from specrt.errors import SpecrtError
 
 UNITS = {"k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
+FITTING = 0.8  # of the memory available at load, the default budget's share
 SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:(k|m|g|ki|mi|gi)b|(tokens?)?)\s*$", re.I)
 
 
@@ -50,6 +53,19 @@ class KVBudget:
                 "--kv-budget as a size needs the ONNX Runtime engines; give positions"
             )
         return cls(int(value * UNITS[unit.lower()] // sum(costs)), engines)
+
+    @classmethod
+    def fitting(cls, engines: Sequence[Engine | None], slots: int) -> KVBudget | None:
+        """The default: what FITTING of the memory available now (the engines loaded) holds,
+        where every slot's full context would not fit in it; None where it would, or where
+        the memory or a position's cost is unknown."""
+        available = machine.available_memory()
+        costs = [getattr(e, "position_bytes", None) for e in engines if e is not None]
+        if available is None or None in costs:
+            return None
+        positions = int(available * FITTING // sum(costs))
+        full = slots * engines[0].capacity
+        return cls(positions, engines) if positions < full else None
 
     def need(self, sequence) -> int:
         """The positions a sequence may come to hold: its prompt and every token it may emit,

@@ -20,7 +20,7 @@ from starlette.concurrency import run_in_threadpool
 from specrt.bundle import Bundle
 from specrt.errors import SpecrtError
 from specrt.runtime import Sequence, SpeculativeRuntime
-from specrt.runtime.budget import KVBudget
+from specrt.runtime.budget import FITTING, KVBudget
 from specrt.runtime.drafters import DRAFTERS
 from specrt.serve.errors import APIError
 from specrt.serve.events import Event
@@ -109,7 +109,16 @@ class LocalService:
 
     def _worker(self, runtime: SpeculativeRuntime) -> Worker:
         batch, spec = min(self.settings.max_batch, runtime.slots), self.settings.kv_budget
-        budget = None if spec is None else KVBudget.parse(spec, [runtime.target, runtime.draft])
+        engines = [runtime.target, runtime.draft]
+        if spec is not None:
+            budget = KVBudget.parse(spec, engines)
+        elif budget := KVBudget.fitting(engines, batch):
+            log.info(
+                "KV budget: %d positions, what %.0f%% of the memory available holds "
+                "(--kv-budget sets it)",
+                budget.positions,
+                100 * FITTING,
+            )
         return Worker(runtime, batch, self.settings.max_queue, self.metrics, budget)
 
     def stop(self) -> None:

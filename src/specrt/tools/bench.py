@@ -111,7 +111,6 @@ def run_bench(
     own = [p.get("prediction") for p in prompts]
     guesses = {"own": own, "other": own[1:] + own[:1]}  # "other": another prompt's, all wrong
     rows, outputs, notes = [], {}, []
-
     categories = [p["category"] for p in prompts]
 
     def record(name, runner, exact_against=None):
@@ -127,15 +126,7 @@ def run_bench(
         eos = bundles[0].eos_token_ids if stop_at_eos else None
         _torch_rows(bundles[0], max_new_tokens, threads, wanted, record, eos)
         gc.collect()
-    for label, folder in (genai_models or {"": None}).items():
-        name = genai_row_name(label)
-        if wanted(name):
-            note = _genai_missing(name, folder)
-            if note:
-                notes.append(note)
-            else:
-                record(name, genai_runner(folder, max_new_tokens, stop_at_eos))
-                gc.collect()
+    notes += _genai_rows(genai_models, max_new_tokens, stop_at_eos, wanted, record)
     notes += _llamacpp_rows(
         bundles, llama_cpp, llama_drafts, max_new_tokens, threads, stop_at_eos, wanted, record
     )
@@ -166,6 +157,22 @@ def run_bench(
         "peak_rss_mb": peak_rss_mb(),
         "notes": notes,
     }
+
+
+def _genai_rows(genai_models, max_new_tokens, stop_at_eos, wanted, record) -> list[str]:
+    """ONNX Runtime GenAI's rows, one per model folder given; notes where one is missing."""
+    notes = []
+    for label, folder in (genai_models or {"": None}).items():
+        name = genai_row_name(label)
+        if not wanted(name):
+            continue
+        note = _genai_missing(name, folder)
+        if note:
+            notes.append(note)
+            continue
+        record(name, genai_runner(folder, max_new_tokens, stop_at_eos))
+        gc.collect()
+    return notes
 
 
 def _specrt_rows(bundles, max_new_tokens, threads, stop_at_eos, wanted, record, guesses):

@@ -32,6 +32,7 @@ from specrt.exporter.graph import write_graph
 from specrt.exporter.precision import Precision
 from specrt.exporter.projections import EMBEDDED, projections_for
 from specrt.exporter.tensors import GgufFile, open_weights, unfused
+from specrt.exporter.tiny import TINY_SHAPE
 from specrt.runtime import SpeculativeRuntime
 from specrt.sources import Source
 from specrt.tools.quality import Comparison, text_labels
@@ -308,26 +309,20 @@ def test_a_phi3_gguf_reads_its_fused_projections_as_their_parts(tmp_path):
     import gguf
     from transformers import Phi3Config
 
-    config = Phi3Config(
-        hidden_size=64,
-        intermediate_size=96,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=1,
-        vocab_size=32,
-        pad_token_id=0,
-    )
+    config = Phi3Config(**TINY_SHAPE, num_hidden_layers=1, vocab_size=32, pad_token_id=0)
+    hidden, inner = config.hidden_size, config.intermediate_size
+    kv = config.num_key_value_heads * hidden // config.num_attention_heads  # k's rows, v's too
     rng = np.random.default_rng(0)
     shapes = {
-        "token_embd.weight": (32, 64),
-        "blk.0.attn_norm.weight": (64,),
-        "blk.0.attn_qkv.weight": (64 + 2 * 32, 64),
-        "blk.0.attn_output.weight": (64, 64),
-        "blk.0.ffn_norm.weight": (64,),
-        "blk.0.ffn_up.weight": (2 * 96, 64),
-        "blk.0.ffn_down.weight": (64, 96),
-        "output_norm.weight": (64,),
-        "output.weight": (32, 64),
+        "token_embd.weight": (32, hidden),
+        "blk.0.attn_norm.weight": (hidden,),
+        "blk.0.attn_qkv.weight": (hidden + 2 * kv, hidden),
+        "blk.0.attn_output.weight": (hidden, hidden),
+        "blk.0.ffn_norm.weight": (hidden,),
+        "blk.0.ffn_up.weight": (2 * inner, hidden),
+        "blk.0.ffn_down.weight": (hidden, inner),
+        "output_norm.weight": (hidden,),
+        "output.weight": (32, hidden),
     }
     values = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
     writer = gguf.GGUFWriter(str(tmp_path / "phi3.gguf"), "phi3")
@@ -342,11 +337,11 @@ def test_a_phi3_gguf_reads_its_fused_projections_as_their_parts(tmp_path):
     assert "self_attn.qkv_proj" not in " ".join(tensors.names())
     qkv, up = values["blk.0.attn_qkv.weight"], values["blk.0.ffn_up.weight"]
     bands = {
-        "self_attn.q_proj": qkv[:64],
-        "self_attn.k_proj": qkv[64:96],
-        "self_attn.v_proj": qkv[96:],
-        "mlp.gate_proj": up[:96],
-        "mlp.up_proj": up[96:],
+        "self_attn.q_proj": qkv[:hidden],
+        "self_attn.k_proj": qkv[hidden : hidden + kv],
+        "self_attn.v_proj": qkv[hidden + kv :],
+        "mlp.gate_proj": up[:inner],
+        "mlp.up_proj": up[inner:],
     }
     for part, want in bands.items():
         name = f"{layer}.{part}.weight"

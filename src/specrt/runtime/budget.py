@@ -26,6 +26,23 @@ FITTING = 0.8  # of the memory available at load, the default budget's share
 SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:(k|m|g|ki|mi|gi)b|(tokens?)?)\s*$", re.I)
 
 
+def parse_size(spec: str) -> tuple[float, str | None]:
+    """A --kv-budget's number and its unit of bytes (None: positions), or a refusal."""
+    match = SIZE.match(spec)
+    if match is None:
+        raise SpecrtError(
+            f"--kv-budget takes positions (65536) or a size (12GB, 8GiB), got {spec!r}"
+        )
+    return float(match.group(1)), match.group(2)
+
+
+def position_bytes(engines: Iterable[Engine | None]) -> int | None:
+    """What one cache position costs all the engines together (None where an engine cannot
+    say: only the ONNX Runtime engine knows its buffers)."""
+    costs = [getattr(e, "position_bytes", None) for e in engines if e is not None]
+    return None if None in costs else sum(costs)
+
+
 class KVBudget:
     def __init__(self, positions: int, engines: Iterable[Engine | None]):
         """positions: what the slots may hold at once; engines: every engine whose slots
@@ -39,31 +56,25 @@ class KVBudget:
     def parse(cls, spec: str, engines: Sequence[Engine | None]) -> KVBudget:
         """A budget in positions ("65536", "65536 tokens") or bytes ("12GB", "8GiB"), the
         bytes split by what one position costs all the engines."""
-        match = SIZE.match(spec)
-        if match is None:
-            raise SpecrtError(
-                f"--kv-budget takes positions (65536) or a size (12GB, 8GiB), got {spec!r}"
-            )
-        value, unit = float(match.group(1)), match.group(2)
+        value, unit = parse_size(spec)
         if unit is None:
             return cls(int(value), engines)
-        costs = [getattr(e, "position_bytes", None) for e in engines if e is not None]
-        if None in costs:
+        per_position = position_bytes(engines)
+        if per_position is None:
             raise SpecrtError(
                 "--kv-budget as a size needs the ONNX Runtime engines; give positions"
             )
-        return cls(int(value * UNITS[unit.lower()] // sum(costs)), engines)
+        return cls(int(value * UNITS[unit.lower()] // per_position), engines)
 
     @classmethod
     def fitting(cls, engines: Sequence[Engine | None], slots: int) -> KVBudget | None:
         """The default: what FITTING of the memory available now (the engines loaded) holds,
         where every slot's full context would not fit in it; None where it would, or where
         the memory or a position's cost is unknown."""
-        available = machine.available_memory()
-        costs = [getattr(e, "position_bytes", None) for e in engines if e is not None]
-        if available is None or None in costs:
+        available, per_position = machine.available_memory(), position_bytes(engines)
+        if available is None or per_position is None:
             return None
-        positions = int(available * FITTING // sum(costs))
+        positions = int(available * FITTING // per_position)
         full = slots * engines[0].capacity
         return cls(positions, engines) if positions < full else None
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from specrt.bundle import Bundle
 from specrt.errors import SpecrtError
-from specrt.runtime.budget import SIZE
+from specrt.runtime.budget import parse_size
 from specrt.runtime.controller import make_controller
 from specrt.runtime.scheduler import PREFILL_CHUNK
 
@@ -56,11 +56,8 @@ class ServeSettings:
             raise SpecrtError(
                 f"--max-queue must be >= 1 (requests wait there), got {self.max_queue}"
             )
-        if self.kv_budget is not None and not SIZE.match(self.kv_budget):
-            raise SpecrtError(
-                f"--kv-budget takes positions (65536) or a size (12GB, 8GiB), got "
-                f"{self.kv_budget!r}"
-            )
+        if self.kv_budget is not None:
+            parse_size(self.kv_budget)
 
 
 @dataclass(frozen=True)

@@ -3,13 +3,15 @@
 
 Each question runs its first turn, then its second (the first answer resent, as a chat client
 does) twice on the same runtime: first with the cache, which reuses the first turn's prompt and
-answer from the slot, then computed whole. Speculation as served by default (adaptive), EOS
-ends an answer. With `--llama-cpp DIR`, llama-server on the bundle's target GGUF gets the same
-token ids: its slot primed with the first turn's prompt and specrt's answer, then the second
-turn with `cache_prompt` and without.
+answer from the slot, then computed whole. With `--between N`, N other questions' first turns
+run before the second turn: they take the runtime's one slot, so the second turn finds the
+first only in the prefix store (`--prefix-cache`, host memory beyond the slots). Speculation
+as served by default (adaptive), EOS ends an answer. With `--llama-cpp DIR`, llama-server on
+the bundle's target GGUF gets the same token ids: its slot primed with the first turn's prompt
+and specrt's answer, then the second turn with `cache_prompt` and without.
 
     python benchmarks/prompt_cache.py BUNDLE [--questions ../shared/specbench/question.jsonl] \
-        [--count 8] [--max-new-tokens 128] [--llama-cpp DIR] \
+        [--count 8] [--max-new-tokens 128] [--between N --prefix-cache 4GB] [--llama-cpp DIR] \
         [--out benchmarks/results/cpu-prompt-cache]
 """
 
@@ -26,10 +28,15 @@ import click
 from specrt import machine
 from specrt.files import write_result
 from specrt.runtime import SpeculativeRuntime
+from specrt.runtime.budget import parse_bytes
+from specrt.runtime.prefix_store import PrefixStore
+from specrt.runtime.prompt_cache import PromptCache
 from specrt.tools import llamacpp
 
 
-def turn(rt: SpeculativeRuntime, messages: list[dict], max_new: int, cache: bool) -> dict:
+def turn(
+    rt: SpeculativeRuntime, messages: list[dict], max_new: int, cache: PromptCache | None
+) -> dict:
     """One chat turn: its answer, time to first token and in all, and what the cache held."""
     rt.prompt_cache = cache
     start = time.perf_counter()
@@ -49,15 +56,20 @@ def turn(rt: SpeculativeRuntime, messages: list[dict], max_new: int, cache: bool
     }
 
 
-def question(rt: SpeculativeRuntime, turns: list[str], max_new: int) -> tuple[dict, list, list]:
-    """A question's second turn, with the cache and computed whole; and the token ids a slot
-    holds after the first turn and the second turn's prompt (for llama-server)."""
+def question(
+    rt: SpeculativeRuntime, turns: list[str], max_new: int, cache: PromptCache, between: list
+) -> tuple[dict, list, list]:
+    """A question's second turn, with the cache (after the first turns of `between`, other
+    questions) and computed whole; and the token ids a slot holds after the first turn and
+    the second turn's prompt (for llama-server)."""
     asked = [{"role": "user", "content": turns[0]}]
-    answer = turn(rt, asked, max_new, cache=False)
+    answer = turn(rt, asked, max_new, None)
     second = [*asked, {"role": "assistant", "content": answer["text"]}]
     second.append({"role": "user", "content": turns[1]})
-    cached = turn(rt, second, max_new, cache=True)
-    whole = turn(rt, second, max_new, cache=False)
+    for other in between:
+        turn(rt, [{"role": "user", "content": other[0]}], max_new, cache)
+    cached = turn(rt, second, max_new, cache)
+    whole = turn(rt, second, max_new, None)
     row = {
         "prompt_tokens": whole["prompt_tokens"],
         "cached_tokens": cached["cached_tokens"],
@@ -104,6 +116,7 @@ def summary(rows: list[dict]) -> dict:
 
 def markdown(result: dict) -> str:
     s, llama = result["summary"], result.get("llama_server")
+    where = "prefix store" if result.get("between") else "slot"
     lines = [
         "# Prompt cache: a conversation's second turn",
         "",
@@ -121,7 +134,7 @@ def markdown(result: dict) -> str:
     lines += [
         "",
         f"Prompts of {s['prompt_tokens_mean']:.0f} tokens on average, "
-        f"{100 * s['cached_share']:.0f} % of them reused from the slot: the first token "
+        f"{100 * s['cached_share']:.0f} % of them reused from the {where}: the first token "
         f"{s['ttft_speedup']:.2f}× sooner, the turn {s['turn_speedup']:.2f}× faster; "
         f"{s['identical']} of {s['questions']} outputs identical to the prompt computed whole.",
     ]
@@ -149,10 +162,19 @@ def _line(label: str, rows: list[dict], how: str) -> str:
 )
 @click.option("--count", default=8, show_default=True, help="Questions, spread over categories.")
 @click.option("--max-new-tokens", default=128, show_default=True)
+@click.option("--between", default=0, show_default=True, help="Other first turns in between.")
+@click.option("--prefix-cache", default="0", show_default=True, help="The prefix store's size.")
 @click.option("--llama-cpp", type=click.Path(path_type=Path), help="llama-server's folder.")
 @click.option("--out", type=Path, default=Path("benchmarks/results/cpu-prompt-cache"))
 def main(
-    bundle: Path, questions: Path, count: int, max_new_tokens: int, llama_cpp, out: Path
+    bundle: Path,
+    questions: Path,
+    count: int,
+    max_new_tokens: int,
+    between: int,
+    prefix_cache: str,
+    llama_cpp,
+    out: Path,
 ) -> None:
     items = [json.loads(line) for line in questions.read_text().splitlines() if line.strip()]
     two_turn = [q for q in items if len(q.get("turns", ())) == 2]
@@ -160,9 +182,12 @@ def main(
     chosen = two_turn[::step][:count]
     rt = SpeculativeRuntime.load(bundle, prompt_cache=False)
     rt.generate("Hello", max_new_tokens=4)  # warm-up: first runs allocate
+    size = parse_bytes(prefix_cache, "--prefix-cache")
+    cache = PromptCache(PrefixStore(size) if size else None)
     rows, replays = [], []
     for i, q in enumerate(chosen):
-        row, *replay = question(rt, q["turns"], max_new_tokens)
+        others = [two_turn[(i * step + 1 + j) % len(two_turn)]["turns"] for j in range(between)]
+        row, *replay = question(rt, q["turns"], max_new_tokens, cache, others)
         replays.append(replay)
         rows.append({"question_id": q.get("question_id"), "category": q.get("category"), **row})
         print(f"{i + 1}/{len(chosen)} {q.get('category')}: prompt {row['prompt_tokens']}, "
@@ -172,9 +197,12 @@ def main(
         "kind": "prompt_cache",
         "machine": machine.describe(),
         "command": f"python benchmarks/prompt_cache.py BUNDLE --count {count} "
-        f"--max-new-tokens {max_new_tokens}" + (" --llama-cpp DIR" if llama_cpp else ""),
+        f"--max-new-tokens {max_new_tokens}"
+        + (f" --between {between} --prefix-cache {prefix_cache}" if between else "")
+        + (" --llama-cpp DIR" if llama_cpp else ""),
         "bundle": str(bundle),
         "max_new_tokens": max_new_tokens,
+        "between": between,
         "rows": rows,
         "summary": summary(rows),
         "llama_server": llama_server(rt, llama_cpp, replays, max_new_tokens),

@@ -136,7 +136,7 @@ def test_a_batched_draft_reports_each_step_by_its_rows(bundles):
     jobs = []
     for slot, (seq, behind) in enumerate(zip(seqs, (2, 1), strict=True)):
         drafter = ModelDrafter(rt.draft)
-        drafter.start(seq, slot, False)
+        drafter.start(seq, slot, None)
         rt.draft.forward_rows([(slot, seq[:-behind])], last=1)
         assert drafter.offer(seq, 8).lag == behind
         jobs.append(DraftJob(drafter, seq, 3, SamplingParams(), np.random.default_rng(0)))

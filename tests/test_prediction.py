@@ -19,6 +19,7 @@ from specrt.runtime import Scheduler, SpeculativeRuntime
 from specrt.runtime.controller import Decision
 from specrt.runtime.drafters import Offer
 from specrt.runtime.prediction import PredictionDrafter
+from specrt.runtime.prompt_cache import PromptCache
 from specrt.runtime.sampling import SamplingParams
 from specrt.serve import ServeSettings
 
@@ -50,7 +51,7 @@ def test_the_drafter_follows_the_prediction_token_by_token(rt):
     tok = rt.tokenizer
     prompt = tok.encode("# geometry\n")
     drafter = PredictionDrafter(TEXT, tok, None)
-    drafter.start(prompt, 0, True)
+    drafter.start(prompt, 0, PromptCache())
     ids = tok.encode_spans(TEXT)[0]
     assert drafter.offer(prompt, 1000) == Offer("prediction", len(ids))
     assert drafter.offer(prompt, 4) == Offer("prediction", 4)  # the round's room caps it
@@ -69,7 +70,7 @@ def test_after_any_split_of_the_text_the_rest_of_the_prediction_is_offered(rt, c
     tok = rt.tokenizer
     prompt = tok.encode("# geometry\n")
     drafter = PredictionDrafter(TEXT, tok, None)
-    drafter.start(prompt, 0, True)
+    drafter.start(prompt, 0, PromptCache())
     seq = prompt + _chars(tok, TEXT[:cut])
     assert _offered_text(drafter, seq, tok) == TEXT[cut:]
 
@@ -78,7 +79,7 @@ def test_after_an_edit_the_drafter_finds_its_place_again(rt):
     tok = rt.tokenizer
     prompt = tok.encode("# geometry\n")
     drafter = PredictionDrafter(TEXT, tok, None)
-    drafter.start(prompt, 0, True)
+    drafter.start(prompt, 0, PromptCache())
     seq = prompt + tok.encode("def area(w, height):\n    return 0", add_special_tokens=False)
     assert drafter.offer(seq, 1000).source != "prediction"  # no text ending in "0" in it
     seq += tok.encode(" + w * h", add_special_tokens=False)  # back on the prediction's text
@@ -113,7 +114,7 @@ def test_off_the_prediction_the_context_drafts_before_the_model(rt):
     quoted = tok.encode("Edit this:\n```\nx = compute(1, 2)\n```\n", add_special_tokens=False)
     fallback = Fallback()
     drafter = PredictionDrafter(TEXT, tok, fallback)
-    drafter.start(quoted, 0, True)
+    drafter.start(quoted, 0, PromptCache())
     seq = quoted + tok.encode("```\nx = compute", add_special_tokens=False)  # not in TEXT
     offer = drafter.offer(seq, 1000)
     assert offer.source == "ngram" and fallback.asked == 0

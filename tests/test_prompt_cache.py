@@ -10,7 +10,7 @@ import pytest
 from servers import client, metric_values, serving, wait_healthy
 
 from specrt.runtime import Scheduler, SpeculativeRuntime
-from specrt.runtime.prompt_cache import choose_slot, shared_length, take_slot
+from specrt.runtime.prompt_cache import PromptCache, choose_slot, shared_length, take_slot
 from specrt.serve import ServeSettings
 
 CHAT = [{"role": "user", "content": "Write a function that adds two numbers."}]
@@ -47,11 +47,11 @@ def test_a_slot_takes_the_longest_prefix_any_slot_holds(warm):
     for slot in range(3):
         target.reset(slot)
     target.forward_rows([(0, [5, 6, 7, 8, 9]), (1, [5, 6, 10])])
-    assert take_slot(target, 2, [5, 6, 7, 8, 11]) == 4  # copied from slot 0
+    assert take_slot(target, 2, [5, 6, 7, 8, 11], PromptCache()) == 4  # copied from slot 0
     assert list(target.held(2)) == [5, 6, 7, 8] and target.lengths[2] == 4
-    assert take_slot(target, 1, [5, 6, 10, 12]) == 3  # its own, in place
-    assert take_slot(target, 1, [5, 6, 7, 8, 9]) == 4  # all but the last token
-    assert take_slot(target, 0, [5, 6, 7], reuse=False) == 0 and target.lengths[0] == 0
+    assert take_slot(target, 1, [5, 6, 10, 12], PromptCache()) == 3  # its own, in place
+    assert take_slot(target, 1, [5, 6, 7, 8, 9], PromptCache()) == 4  # all but the last token
+    assert take_slot(target, 0, [5, 6, 7], None) == 0 and target.lengths[0] == 0
 
 
 def test_copied_rows_score_as_a_whole_prefill(warm):
@@ -66,7 +66,7 @@ def test_copied_rows_score_as_a_whole_prefill(warm):
     for slot in (1, 2):
         target.reset(slot)
     target.forward_rows([(2, [61] * 10)])
-    assert take_slot(target, 1, prompt) == 7
+    assert take_slot(target, 1, prompt, PromptCache()) == 7
     assert target.lengths[1] == 7
     rest = target.forward_rows([(1, prompt[7:])], last=3)[0]
     np.testing.assert_array_equal(rest, whole)

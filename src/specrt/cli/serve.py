@@ -68,6 +68,14 @@ from specrt.runtime.scheduler import PREFILL_CHUNK
     "request waits until its prompt and max_tokens fit [default: what 80% of the memory "
     "available at load holds, where every slot's full context would not fit].",
 )
+@click.option(
+    "--prefix-cache",
+    default=None,
+    help="Host memory that keeps prompt prefixes beyond the slots (8GB; 0: none), so a "
+    "conversation, document or system prompt that comes back after the slots were reused is "
+    "not computed again [default: a quarter of the memory available at start-up, 8 GiB at "
+    "most].",
+)
 @click.option("--log-level", default="info", show_default=True)
 @click.option("--ray", "on_ray", is_flag=True, help="Serve on Ray Serve (the ray extra).")
 @click.option("--replicas", type=int, default=1, show_default=True, help="--ray: engine replicas.")
@@ -90,6 +98,7 @@ def serve(
     prompt_cache,
     prefill_chunk,
     kv_budget,
+    prefix_cache,
     log_level,
     on_ray,
     replicas,
@@ -122,6 +131,7 @@ def serve(
         prompt_cache=prompt_cache,
         prefill_chunk=prefill_chunk,
         kv_budget=kv_budget,
+        prefix_cache=prefix_cache,
     )
     ray = RayOptions(replicas=replicas, min_replicas=min_replicas, max_replicas=max_replicas)
     if not on_ray and (ray != RayOptions() or ray_address):

@@ -62,6 +62,14 @@ class Engine(Protocol):
         """Make `slot` hold the first `length` positions of `source`, copied; False where the
         backend cannot copy between slots (the caller then feeds the tokens)."""
 
+    def read_positions(self, slot: int, start: int, end: int) -> np.ndarray | None:
+        """A host copy of the keys and values a slot holds at positions start..end, in a form
+        only `write_positions` reads; None where the backend keeps no host cache."""
+
+    def write_positions(self, slot: int, tokens: Sequence[int], data: np.ndarray) -> None:
+        """Append to a slot, at its length, the positions of these tokens as `read_positions`
+        gave them (from any slot), as if they had been fed."""
+
 
 def check_room(engine: Engine, count: int, last: int | None, slot: int = 0) -> int:
     """Validate a forward call's sizes before any backend work; return how many logits to keep."""
@@ -135,6 +143,9 @@ class BufferCache:
         check_slot(self, slot)
         self._lengths[slot] = min(self._lengths[slot], keep)
 
+    def read_positions(self, slot: int, start: int, end: int) -> np.ndarray | None:
+        return None  # a device buffer: no host copy to keep (see OrtEngine)
+
 
 class OneSlot:
     """For engines that hold one sequence: a batched call can only be that one row."""
@@ -143,6 +154,9 @@ class OneSlot:
 
     def copy_prefix(self, source: int, slot: int, length: int) -> bool:
         return False  # one slot: nothing to copy from
+
+    def read_positions(self, slot: int, start: int, end: int) -> np.ndarray | None:
+        return None  # the backend's own cache: no host copy to keep
 
     def release(self, slot: int, keep: int = 0) -> None:
         """A rollback to at most `keep`: the memory stays the backend's."""

@@ -354,6 +354,22 @@ class OrtEngine(BufferCache):
         self._wrote(slot, tokens)
         return True
 
+    def read_positions(self, slot: int, start: int, end: int) -> np.ndarray | None:
+        """Every layer's keys and values at these positions, copied out of the slot's rows:
+        [caches, kv_heads, end - start, head_dim] (the host prefix store keeps them)."""
+        check_slot(self, slot)
+        check_rollback(self, end, slot)
+        if self.device != "cpu":
+            return None
+        return np.stack([host[slot, :, start:end] for _, _, host in self._caches])
+
+    def write_positions(self, slot: int, tokens: Sequence[int], data: np.ndarray) -> None:
+        start = self._lengths[slot]
+        check_room(self, len(tokens), None, slot)
+        for (_, _, host), values in zip(self._caches, data, strict=True):
+            host[slot, :, start : start + len(tokens)] = values
+        self._wrote(slot, tokens)
+
     def _check(self, slot: int, tokens: Sequence[int], last: int | None) -> int:
         check_slot(self, slot)
         return check_room(self, len(tokens), last, slot)

@@ -31,6 +31,8 @@ from specrt.runtime.grammar import Grammar, Grammars
 from specrt.runtime.logprobs import check_top
 from specrt.runtime.options import Options
 from specrt.runtime.prediction import PredictionDrafter
+from specrt.runtime.prefix_store import PrefixStore
+from specrt.runtime.prompt_cache import PromptCache
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.scheduler import PREFILL_CHUNK, Scheduler
 from specrt.runtime.sequence import Result, Sequence
@@ -50,13 +52,15 @@ class SpeculativeRuntime:
         controller: str = "adaptive",
         drafter: str | None = None,
         prompt_cache: bool = True,
+        prefix_store: int = 0,
         prefill_chunk: int | None = PREFILL_CHUNK,
     ):
         """draft is None for a bundle built without a draft model; drafter is the default
         source of drafts (`model`, `ngram` or `hybrid`; default: model where there is one);
         prompt_cache: a prompt starts from what a slot already holds of it (exact; see
-        prompt_cache.py), off where a benchmark measures prefill; prefill_chunk: prompt
-        tokens a batch feeds between rounds (None: each prompt whole, see scheduler.py)."""
+        prompt_cache.py), off where a benchmark measures prefill; prefix_store: bytes of host
+        memory that keep prefixes beyond the slots (0: none; prefix_store.py); prefill_chunk:
+        prompt tokens a batch feeds between rounds (None: each prompt whole, scheduler.py)."""
         self.bundle = bundle
         self.draft, self.target = draft, target
         self.drafter: str = drafter or ("ngram" if draft is None else "model")
@@ -69,7 +73,8 @@ class SpeculativeRuntime:
         make_controller(controller, bundle.max_draft)  # refuse a bad spec now, not mid-request
         self.costs = StepCosts()  # learned by the rounds, or calibrated
         self.acceptance = PooledAcceptance()  # where a request's adaptive estimate starts
-        self.prompt_cache = prompt_cache
+        store = PrefixStore(prefix_store) if prefix_store > 0 else None
+        self.prompt_cache = PromptCache(store) if prompt_cache else None
         if prefill_chunk is not None and prefill_chunk < 1:
             raise SpecrtError(f"a prefill chunk must be at least 1 token, got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk
@@ -100,6 +105,7 @@ class SpeculativeRuntime:
         calibrate: bool = True,
         slots: int = 1,
         prompt_cache: bool = True,
+        prefix_store: int = 0,
         prefill_chunk: int | None = PREFILL_CHUNK,
         **engine_options,
     ) -> SpeculativeRuntime:
@@ -118,6 +124,7 @@ class SpeculativeRuntime:
             controller=controller,
             drafter=drafter,
             prompt_cache=prompt_cache,
+            prefix_store=prefix_store,
             prefill_chunk=prefill_chunk,
         )
         if calibrate:
@@ -185,7 +192,7 @@ class SpeculativeRuntime:
                 drafter=drafter,
                 constraints=constraints,
                 logprobs=top,
-                reuse_prompt=self.prompt_cache,
+                prompt_cache=self.prompt_cache,
                 timeout=o.timeout,
             )
             for (policy, drafter, constraints), seed in zip(choices, o.seeds(n), strict=True)

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Sequence
 from specrt import machine
 from specrt.engines.base import Engine
 from specrt.errors import SpecrtError
+from specrt.runtime.prompt_cache import PromptCache
 
 UNITS = {"k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
 FITTING = 0.8  # of the memory available at load, the default budget's share
@@ -34,6 +35,15 @@ def parse_size(spec: str) -> tuple[float, str | None]:
             f"--kv-budget takes positions (65536) or a size (12GB, 8GiB), got {spec!r}"
         )
     return float(match.group(1)), match.group(2)
+
+
+def parse_bytes(spec: str, flag: str) -> int:
+    """A size in bytes ("8GB", "512MiB", "0"), or a refusal naming the flag."""
+    match = SIZE.match(spec)
+    if match is None or match.group(2) is None and float(match.group(1)) != 0:
+        raise SpecrtError(f"{flag} takes a size (8GB, 512MiB) or 0, got {spec!r}")
+    unit = match.group(2)
+    return int(float(match.group(1)) * UNITS[unit.lower()]) if unit else 0
 
 
 def position_bytes(engines: Iterable[Engine | None]) -> int | None:
@@ -67,14 +77,17 @@ class KVBudget:
         return cls(int(value * UNITS[unit.lower()] // per_position), engines)
 
     @classmethod
-    def fitting(cls, engines: Sequence[Engine | None], slots: int) -> KVBudget | None:
-        """The default: what FITTING of the memory available now (the engines loaded) holds,
-        where every slot's full context would not fit in it; None where it would, or where
-        the memory or a position's cost is unknown."""
+    def fitting(
+        cls, engines: Sequence[Engine | None], slots: int, beside: int = 0
+    ) -> KVBudget | None:
+        """The default: what FITTING of the memory available now (the engines loaded), less
+        `beside` bytes promised to something else (the prefix store), holds, where every
+        slot's full context would not fit in it; None where it would, or where the memory or
+        a position's cost is unknown."""
         available, per_position = machine.available_memory(), position_bytes(engines)
         if available is None or per_position is None:
             return None
-        positions = int(available * FITTING // per_position)
+        positions = int(max(0, available - beside) * FITTING // per_position)
         full = slots * engines[0].capacity
         return cls(positions, engines) if positions < full else None
 
@@ -96,10 +109,11 @@ class KVBudget:
                 param="max_tokens",
             )
 
-    def make_room(self, reserved: int, idle: list[int]) -> bool:
+    def make_room(self, reserved: int, idle: list[int], cache: PromptCache | None) -> bool:
         """Whether `reserved` positions (what the seated sequences and the one joining may
         need) fit beside what the idle slots hold, after releasing idle slots in the order
-        given (the one released longest ago first) as far as that takes."""
+        given (the one released longest ago first) as far as that takes; what they held goes
+        to the cache's prefix store, where it has one."""
         target = self.engines[0]
         held = [(slot, target.lengths[slot]) for slot in idle if target.lengths[slot]]
         cached = sum(length for _, length in held)
@@ -107,6 +121,9 @@ class KVBudget:
             if reserved + cached <= self.positions:
                 break
             for engine in self.engines:
-                engine.release(slot)
+                if cache is None:
+                    engine.release(slot)
+                else:
+                    cache.spill(engine, slot)
             cached -= length
         return reserved + cached <= self.positions

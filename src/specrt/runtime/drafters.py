@@ -25,7 +25,7 @@ from specrt.engines.base import Engine
 from specrt.errors import SpecrtError
 from specrt.runtime.constraints import Constraints
 from specrt.runtime.costs import StepCosts
-from specrt.runtime.prompt_cache import take_slot
+from specrt.runtime.prompt_cache import PromptCache, take_slot
 from specrt.runtime.sampling import SamplingParams, probabilities, sample
 
 DRAFTERS = ("model", "ngram", "hybrid")
@@ -52,9 +52,9 @@ class Drafter(Protocol):
     name: str  # reported in the stats: model, ngram, hybrid, ...
     model: ModelDrafter | None  # the draft model behind "model" offers (None: lookups only)
 
-    def start(self, prompt: Sequence[int], slot: int, reuse: bool) -> None:
-        """A new sequence begins with this prompt, in this slot of the engines (reuse: from
-        what a slot of the draft model's cache already holds of it, see prompt_cache.py)."""
+    def start(self, prompt: Sequence[int], slot: int, cache: PromptCache | None) -> None:
+        """A new sequence begins with this prompt, in this slot of the engines (from what the
+        prompt cache holds of it for the draft model, see prompt_cache.py; None: empty)."""
 
     def offer(self, seq: Sequence[int], limit: int) -> Offer:
         """What this drafter can propose after seq, at most limit tokens."""
@@ -104,12 +104,12 @@ class ModelDrafter:
         self.ids = min(engine.vocab_size, ids or engine.vocab_size)
         self.model = self
 
-    def start(self, prompt: Sequence[int], slot: int, reuse: bool) -> None:
+    def start(self, prompt: Sequence[int], slot: int, cache: PromptCache | None) -> None:
         """Only take the slot, with what a slot already holds of the prompt: the rest is fed
         when a draft is first asked for, so a request that never drafts (K = 0 in a busy batch)
         never pays for the draft model's prefill."""
         self.slot = slot
-        take_slot(self.engine, slot, prompt, reuse)
+        take_slot(self.engine, slot, prompt, cache)
 
     def offer(self, seq: Sequence[int], limit: int) -> Offer:
         return Offer("model", limit, len(seq) - self.engine.lengths[self.slot])
@@ -257,7 +257,7 @@ class NgramDrafter:
         self.min_n, self.max_n, self.window = min_n, max_n, window
         self._found: list[int] = []
 
-    def start(self, prompt: Sequence[int], slot: int, reuse: bool) -> None:
+    def start(self, prompt: Sequence[int], slot: int, cache: PromptCache | None) -> None:
         self._found = []
 
     def offer(self, seq: Sequence[int], limit: int) -> Offer:
@@ -302,9 +302,9 @@ class HybridDrafter:
         self.model, self.ngram = model, ngram
         self._current: ModelDrafter | NgramDrafter = model
 
-    def start(self, prompt: Sequence[int], slot: int, reuse: bool) -> None:
-        self.model.start(prompt, slot, reuse)
-        self.ngram.start(prompt, slot, reuse)
+    def start(self, prompt: Sequence[int], slot: int, cache: PromptCache | None) -> None:
+        self.model.start(prompt, slot, cache)
+        self.ngram.start(prompt, slot, cache)
 
     def offer(self, seq: Sequence[int], limit: int) -> Offer:
         offer = self.ngram.offer(seq, limit)
@@ -333,9 +333,9 @@ class ConstrainedDrafter:
         self.model = inner.model if inner is not None else None
         self._forced: list[int] = []
 
-    def start(self, prompt: Sequence[int], slot: int, reuse: bool) -> None:
+    def start(self, prompt: Sequence[int], slot: int, cache: PromptCache | None) -> None:
         if self.inner is not None:
-            self.inner.start(prompt, slot, reuse)
+            self.inner.start(prompt, slot, cache)
 
     def offer(self, seq: Sequence[int], limit: int) -> Offer:
         """The forced tokens, if any: alone, or ahead of the draft model's proposal where the

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from specrt.runtime.drafters import Drafter, NgramDrafter, Offer, Proposal
+from specrt.runtime.prompt_cache import PromptCache
 from specrt.runtime.text import TextTokenizer
 
 ANCHOR_TOKENS = 8  # the longest tail of the output sought in the prediction...
@@ -53,10 +54,10 @@ class PredictionDrafter:
         self._tokenize_from(0)
         self.length = len(self._tokens)  # the prediction's tokens, tokenized alone
 
-    def start(self, prompt: Sequence[int], slot: int, reuse: bool) -> None:
+    def start(self, prompt: Sequence[int], slot: int, cache: PromptCache | None) -> None:
         if self.fallback is not None:
-            self.fallback.start(prompt, slot, reuse)
-        self.lookup.start(prompt, slot, reuse)
+            self.fallback.start(prompt, slot, cache)
+        self.lookup.start(prompt, slot, cache)
         self._output = self._synced = len(prompt)
         self._stand_at(0)
 

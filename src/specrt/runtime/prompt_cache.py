@@ -7,6 +7,9 @@ slot holds is kept: in place where it is the request's own slot (a rollback), co
 is another's, and only the rest is fed. Which free slot a request takes decides what survives
 for later requests: its own conversation's slot where one is free, else the one released
 longest ago (`choose_slot`), as llama-server picks its slots by similarity and then age.
+With a prefix store (`--prefix-cache`), what a slot held is not lost when it is overwritten:
+it is kept in host memory, and a prompt restores it from there where that holds more of it
+than any slot (prefix_store.py).
 
 This changes no output. Reused keys and values were computed by other calls (a prefill cut
 elsewhere, a verify round beside other rows), and the engines already guarantee that a
@@ -19,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from specrt.engines.base import Engine
+from specrt.runtime.prefix_store import Block, PrefixStore
 
 
 def shared_length(held: Sequence[int], tokens: Sequence[int]) -> int:
@@ -30,21 +34,64 @@ def shared_length(held: Sequence[int], tokens: Sequence[int]) -> int:
     return n
 
 
-def take_slot(engine: Engine, slot: int, prompt: Sequence[int], reuse: bool = True) -> int:
-    """Make `slot` hold the longest prefix of the prompt that a slot of the engine holds, all
-    but its last token at most (whose logits the caller needs: it feeds at least that one), and
-    return its length; with reuse off (benchmarks measuring prefill), start the slot empty.
-    What the slot held past that prefix is released (its memory given back, see
-    `Engine.release`): a slot's cache follows the sequence it now serves."""
-    kept = 0
-    if reuse:
+class PromptCache:
+    """Where a new sequence's prompt may start from: what the engine's slots hold, and the
+    prefixes kept beyond them in host memory where there is a store (prefix_store.py)."""
+
+    def __init__(self, store: PrefixStore | None = None):
+        self.store = store
+
+    @property
+    def store_bytes(self) -> int:
+        """Host memory the prefix store may take (0: no store)."""
+        return self.store.capacity if self.store is not None else 0
+
+    def take(self, engine: Engine, slot: int, prompt: Sequence[int]) -> int:
+        """Make `slot` hold the longest prefix of the prompt that a slot or the store holds,
+        all but its last token at most (whose logits the caller needs: it feeds at least that
+        one), and return its length. What the slot held past it is kept in the store first,
+        then released (its memory given back, see `Engine.release`)."""
         wanted = prompt[: len(prompt) - 1]
         found = {s: shared_length(engine.held(s), wanted) for s in range(engine.slots)}
         source = max(found, key=lambda s: (found[s], s == slot))  # the own slot on a tie
-        copied = source != slot and engine.copy_prefix(source, slot, found[source])
+        stored = self.store.find(engine, wanted) if self.store is not None else []
+        if stored and len(stored) * self.store.block > found[source]:
+            return self._restore(engine, slot, stored, found[slot])
+        copied = source != slot and self._copy(engine, source, slot, found[source])
         kept = found[source] if copied else found[slot]
-    engine.release(slot, kept)
-    return kept
+        self.spill(engine, slot, kept)
+        return kept
+
+    def spill(self, engine: Engine, slot: int, keep: int = 0) -> None:
+        """Release all but the slot's first `keep` positions, kept in the store first."""
+        if self.store is not None and len(engine.held(slot)) > keep:
+            self.store.save(engine, slot)
+        engine.release(slot, keep)
+
+    def _copy(self, engine: Engine, source: int, slot: int, length: int) -> bool:
+        """Another slot's prefix over this one's, kept in the store first; False where the
+        engine cannot copy (the slot is then as it was)."""
+        if self.store is not None:
+            self.store.save(engine, slot)
+        return engine.copy_prefix(source, slot, length)
+
+    def _restore(self, engine: Engine, slot: int, stored: list[Block], own: int) -> int:
+        """The stored blocks into the slot, after the whole ones it holds already."""
+        size = self.store.block
+        kept = min(own // size, len(stored))
+        self.spill(engine, slot, kept * size)
+        for block in stored[kept:]:
+            engine.write_positions(slot, block.tokens, block.data)
+        return len(stored) * size
+
+
+def take_slot(engine: Engine, slot: int, prompt: Sequence[int], cache: PromptCache | None) -> int:
+    """Start a slot for this prompt from what the cache offers (None: empty, for benchmarks
+    measuring prefill); returns the prompt tokens it holds."""
+    if cache is None:
+        engine.release(slot)
+        return 0
+    return cache.take(engine, slot, prompt)
 
 
 def choose_slot(

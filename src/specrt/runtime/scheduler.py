@@ -177,14 +177,14 @@ class Scheduler:
         busy = {s.slot for s in seated} | {slot}
         idle = [s for s in range(self.target.slots) if s not in busy]
         idle.sort(key=lambda s: self._released.get(s, 0))
-        return self.budget.make_room(reserved, idle)
+        return self.budget.make_room(reserved, idle, sequence.prompt_cache)
 
     def _free_slot(self, sequence: Sequence) -> int:
         """The lowest free slot, or with the prompt cache on, the one that keeps the most for
         later sequences (see prompt_cache.choose_slot)."""
         active = [s.slot for s in self.prefilling] + list(self.running)
         free = sorted(set(range(self.slots)) - set(active))
-        if not sequence.reuse_prompt:
+        if sequence.prompt_cache is None:
             return free[0]
         return choose_slot(self.target, sequence.prompt, free, active, self._released)
 

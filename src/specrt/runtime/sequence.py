@@ -26,6 +26,7 @@ from specrt.runtime.constraints import Constraints
 from specrt.runtime.controller import Policy
 from specrt.runtime.drafters import Drafter
 from specrt.runtime.logprobs import TokenLogprob
+from specrt.runtime.prompt_cache import PromptCache
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.stops import StopRules
 
@@ -154,7 +155,7 @@ class Sequence:
         drafter: Drafter | None = None,
         constraints: Constraints | None = None,
         logprobs: int | None = None,
-        reuse_prompt: bool = True,
+        prompt_cache: PromptCache | None = None,
         timeout: float | None = None,
     ):
         self.prompt = list(prompt)
@@ -163,7 +164,7 @@ class Sequence:
         self.policy, self.drafter = policy, drafter  # drafter None: the target alone
         self.constraints = constraints  # grammar, logit_bias, penalties: draft and target
         self.logprobs = logprobs  # report each token's log-probability and this many best
-        self.reuse_prompt = reuse_prompt  # start from what a slot already holds of the prompt
+        self.prompt_cache = prompt_cache  # where its prompt may start from (None: empty)
         self.slot: int | None = None  # its row in the engines' caches, once seated
         self.status = WAITING
         self.timeout = timeout  # seconds from its creation, after which it ends ("timeout")

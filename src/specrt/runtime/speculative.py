@@ -60,9 +60,9 @@ def start(req: Sequence, target: Engine) -> int:
     """Give a request its slot, keeping what a slot already holds of its prompt (see
     prompt_cache.py; `prefill` feeds the rest), and its drafter the same slot. Returns how
     many prompt tokens were kept."""
-    cached = take_slot(target, req.slot, req.prompt, req.reuse_prompt)
+    cached = take_slot(target, req.slot, req.prompt, req.prompt_cache)
     if req.drafter is not None:
-        req.drafter.start(req.prompt, req.slot, req.reuse_prompt)
+        req.drafter.start(req.prompt, req.slot, req.prompt_cache)
     return cached
 
 

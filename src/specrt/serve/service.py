@@ -99,6 +99,7 @@ class LocalService:
                 threads=s.threads,
                 slots=slots,
                 prompt_cache=s.prompt_cache,
+                prefix_store=s.prefix_bytes(),
                 prefill_chunk=s.prefill_chunk or None,
             )
         except Exception as err:
@@ -110,9 +111,10 @@ class LocalService:
     def _worker(self, runtime: SpeculativeRuntime) -> Worker:
         batch, spec = min(self.settings.max_batch, runtime.slots), self.settings.kv_budget
         engines = [runtime.target, runtime.draft]
+        store = runtime.prompt_cache.store_bytes if runtime.prompt_cache else 0
         if spec is not None:
             budget = KVBudget.parse(spec, engines)
-        elif budget := KVBudget.fitting(engines, batch):
+        elif budget := KVBudget.fitting(engines, batch, store):
             log.info(
                 "KV budget: %d positions, what %.0f%% of the memory available holds "
                 "(--kv-budget sets it)",
@@ -158,6 +160,8 @@ class LocalService:
             }
             if self.worker is not None and self.worker.scheduler.budget is not None:
                 card["kv_budget"] = self.worker.scheduler.budget.positions
+            if self.runtime.prompt_cache is not None:
+                card["prefix_cache_bytes"] = self.runtime.prompt_cache.store_bytes
         return card
 
     def sequences(self, body: Body) -> list[Sequence]:

@@ -8,8 +8,9 @@ from pathlib import Path
 
 from specrt.bundle import Bundle
 from specrt.errors import SpecrtError
-from specrt.runtime.budget import parse_size
+from specrt.runtime.budget import parse_bytes, parse_size
 from specrt.runtime.controller import make_controller
+from specrt.runtime.prefix_store import default_capacity
 from specrt.runtime.scheduler import PREFILL_CHUNK
 
 
@@ -31,6 +32,7 @@ class ServeSettings:
     prompt_cache: bool = True  # a prompt starts from what a slot already holds of it
     prefill_chunk: int = PREFILL_CHUNK  # prompt tokens fed between rounds (0: each whole)
     kv_budget: str | None = None  # cache positions ("65536") or bytes ("12GB") slots share
+    prefix_cache: str | None = None  # host memory for prefixes beyond the slots ("0": none)
 
     @property
     def served_model(self) -> str:
@@ -58,6 +60,16 @@ class ServeSettings:
             )
         if self.kv_budget is not None:
             parse_size(self.kv_budget)
+        self.prefix_bytes()
+
+    def prefix_bytes(self) -> int:
+        """Bytes of host memory the prefix store may take: --prefix-cache, or the default
+        (prefix_store.default_capacity); none without the prompt cache."""
+        if not self.prompt_cache:
+            return 0
+        if self.prefix_cache is None:
+            return default_capacity()
+        return parse_bytes(self.prefix_cache, "--prefix-cache")
 
 
 @dataclass(frozen=True)

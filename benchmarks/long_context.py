@@ -8,9 +8,13 @@ prompt cache off). Each row runs in a process of its own, so its peak RSS
 
     python benchmarks/long_context.py BUNDLE [--sizes 1000,3000,6000] [--pieces 0,512,256] \
         [--out benchmarks/results/cpu-long-context]
+    python benchmarks/long_context.py BUNDLE --speculation [--sizes 1000,4000,8000] \
+        [--llama-cpp DIR] [--out benchmarks/results/cpu-long-context-speculation]
 
-A bundle built with `--max-context 8192` holds the 6,000-token prompts (the default stops at
-2,048). llama.cpp's rows are not part of it yet.
+`--speculation` answers ANSWER tokens with the target alone and with adaptive speculation; with
+`--llama-cpp DIR` (a folder with llama-server, or $SPECRT_LLAMA_CPP, or PATH), llama-server gets
+the same prompt's token ids on the bundle's GGUF files, alone and with the draft GGUF, one slot,
+as many threads, `cache_prompt` off.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from pathlib import Path
 import click
 
 from specrt import machine
+from specrt.bundle import Bundle
 from specrt.files import write_result
+from specrt.tools import llamacpp
 
 HERE = Path(__file__).resolve().parent
 PACKAGE = HERE.parent / "src" / "specrt"
@@ -70,7 +76,7 @@ def speculation_row(bundle: str, size: int) -> dict:
     rt = SpeculativeRuntime.load(bundle, prompt_cache=False)
     text = rt.tokenizer.decode(rt.tokenizer.encode(source_text())[:size])
     prompt = [{"role": "user", "content": text + QUESTION}]
-    row = {"size": size}
+    row = {"size": size, "prompt_ids": rt.encode(prompt)}
     for name, options in (("target", {"speculate": False}), ("adaptive", {})):
         result = rt.generate(prompt, max_new_tokens=ANSWER, ignore_eos=True, **options)
         s = result.stats
@@ -84,6 +90,36 @@ def speculation_row(bundle: str, size: int) -> dict:
             "tokens": result.token_ids,
         }
     return row
+
+
+def llama_rows(bundle: Path, folder: Path | None, rows: list[dict]) -> dict | None:
+    """llama-server on the same prompts' token ids, alone and with the draft GGUF (None where
+    no build or no GGUF is here)."""
+    b = Bundle.load(bundle)
+    binary, files = llamacpp.find_server(folder), llamacpp.gguf_sources(b)
+    if binary is None or "target" not in files:
+        print(llamacpp.MISSING if binary is None else "llama rows skipped: no target GGUF")
+        return None
+    threads, context = machine.describe()["cores"], b.max_context
+    specs = {"alone": llamacpp.ServerSpec(binary, files["target"], None, 0, threads, context)}
+    if "draft" in files:
+        specs["draft"] = llamacpp.ServerSpec(
+            binary, files["target"], files["draft"], b.max_draft, threads, context
+        )
+    out: dict = {"commands": {}}
+    for name, spec in specs.items():
+        out["commands"][name] = " ".join(spec.command(0))
+        with llamacpp.serving(spec) as base:
+            llamacpp.complete(base, rows[0]["prompt_ids"][:8], 4)  # warm-up
+            for row in rows:
+                tokens, times = llamacpp.complete(base, row["prompt_ids"], ANSWER)
+                row[f"llama_{name}"] = {
+                    "ttft_s": round(times[0], 2),
+                    "decode_tokens_per_s": round((len(times) - 1) / (times[-1] - times[0]), 2),
+                    "tokens": tokens,
+                }
+                print(f"llama-server {name}, {row['size']} tokens: {row[f'llama_{name}']}")
+    return out
 
 
 def markdown(result: dict) -> str:
@@ -112,6 +148,7 @@ def markdown(result: dict) -> str:
 
 
 def _speculation_markdown(result: dict) -> str:
+    llama = result.get("llama_server") is not None
     lines = [
         "# Long prompts: what speculation gains after them",
         "",
@@ -131,7 +168,39 @@ def _speculation_markdown(result: dict) -> str:
             f"{spec['decode_tokens_per_s']:.2f}, K {spec['mean_k']:.1f} | {gain:.2f}× | "
             f"{'yes' if alone['tokens'] == spec['tokens'] else 'NO'} |"
         )
+    if llama:
+        lines += ["", *_llama_markdown(result)]
     return "\n".join(lines) + "\n"
+
+
+def _llama_markdown(result: dict) -> list[str]:
+    """specrt beside llama-server: speeds as ratios (above 1: specrt is faster)."""
+    commands = result["llama_server"]["commands"]
+    lines = [
+        "Beside llama-server on the same GGUF files and token ids (one slot, `cache_prompt` "
+        "off): the first token (specrt's target alone) and decode speed (specrt adaptive), "
+        "each as specrt's speed over llama-server's. "
+        + "; ".join(f"{name}: `{command}`" for name, command in commands.items()),
+        "",
+        "| prompt tokens | first token: specrt / llama-server | speed | decode tok/s: specrt "
+        "adaptive / llama-server alone / with its draft | vs alone | vs its draft |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in result["rows"]:
+        ours, alone = row["target"], row["llama_alone"]
+        spec, drafted = row["adaptive"], row.get("llama_draft")
+        decode = spec["decode_tokens_per_s"]
+        theirs = f"{alone['decode_tokens_per_s']:.2f}"
+        versus = "–"
+        if drafted:
+            theirs += f" / {drafted['decode_tokens_per_s']:.2f}"
+            versus = f"{decode / drafted['decode_tokens_per_s']:.2f}×"
+        lines.append(
+            f"| {row['prompt_tokens']:,} | {ours['ttft_s']:.1f} s / {alone['ttft_s']:.1f} s | "
+            f"{alone['ttft_s'] / ours['ttft_s']:.2f}× | {decode:.2f} / {theirs} | "
+            f"{decode / alone['decode_tokens_per_s']:.2f}× | {versus} |"
+        )
+    return lines
 
 
 @click.command()
@@ -140,8 +209,11 @@ def _speculation_markdown(result: dict) -> str:
 @click.option("--pieces", default="0,512,256", show_default=True, help="0: the prompt whole.")
 @click.option("--out", type=Path, default=Path("benchmarks/results/cpu-long-context"))
 @click.option("--speculation", is_flag=True, help="Target alone against adaptive, per size.")
+@click.option("--llama-cpp", type=click.Path(path_type=Path), help="--speculation: llama-server.")
 @click.option("--one", "one_row", nargs=2, type=int, default=None, hidden=True)
-def main(bundle: Path, sizes: str, pieces: str, out: Path, speculation: bool, one_row) -> None:
+def main(
+    bundle: Path, sizes: str, pieces: str, out: Path, speculation: bool, llama_cpp, one_row
+) -> None:
     if one_row:
         size, piece = one_row
         print(
@@ -151,7 +223,7 @@ def main(bundle: Path, sizes: str, pieces: str, out: Path, speculation: bool, on
         )
         return
     if speculation:
-        _compare_speculation(bundle, sizes, out)
+        _compare_speculation(bundle, sizes, out, llama_cpp)
         return
     rows = []
     for size in (int(n) for n in sizes.split(",")):
@@ -174,7 +246,7 @@ def main(bundle: Path, sizes: str, pieces: str, out: Path, speculation: bool, on
     print(markdown(result))
 
 
-def _compare_speculation(bundle: Path, sizes: str, out: Path) -> None:
+def _compare_speculation(bundle: Path, sizes: str, out: Path, llama_cpp: Path | None) -> None:
     rows = []
     for size in (int(n) for n in sizes.split(",")):
         command = [sys.executable, __file__, str(bundle), "--speculation", "--one", str(size), "0"]
@@ -185,13 +257,18 @@ def _compare_speculation(bundle: Path, sizes: str, out: Path) -> None:
             f"{rows[-1]['adaptive']['decode_tokens_per_s']} tok/s",
             flush=True,
         )
+    llama = llama_rows(bundle, llama_cpp, rows)
+    for row in rows:
+        del row["prompt_ids"]  # thousands of ids a row: the sizes name the prompts
+    command = f"python benchmarks/long_context.py BUNDLE --speculation --sizes {sizes}"
     result = {
         "kind": "long_context",
         "mode": "speculation",
         "machine": machine.describe(),
-        "command": f"python benchmarks/long_context.py BUNDLE --speculation --sizes {sizes}",
+        "command": command + (" --llama-cpp DIR" if llama else ""),
         "bundle": str(bundle),
         "rows": rows,
+        "llama_server": llama,
     }
     write_result(out, result, markdown(result))
     print(markdown(result))

@@ -66,6 +66,25 @@ def precision_bundles(pairs, tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def half_cache_bundle(pairs, tmp_path_factory) -> Path:
+    """The llama pair as d-int8_t-int4 is, but both keeping keys and values in float16."""
+    from specrt.exporter.precision import Precision
+
+    draft, target = pairs["llama"]
+    return build_bundle(
+        str(draft),
+        str(target),
+        tmp_path_factory.mktemp("half-cache") / "b",
+        max_context=MAX_CONTEXT,
+        precision={
+            "draft": Precision("int8", cache="float16"),
+            "target": Precision("int4", cache="float16"),
+        },
+        log=_quiet,
+    )
+
+
+@pytest.fixture(scope="session")
 def agree_bundle(tmp_path_factory) -> Path:
     """A draft that always agrees and costs a fraction of the target: the target has 16 layers,
     of which the last 14 add nothing (zero output projections), and the draft is the first 2."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import onnx
 import pytest
 from click.testing import CliRunner
@@ -131,14 +132,16 @@ def test_build_cli_passes_precision_options(pairs, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "name", ["float32", "d-int4_t-fp32", "d-int8_t-int4", "d-fp16_t-int8", "odd-rows"]
+    "name",
+    ["float32", "d-int4_t-fp32", "d-int8_t-int4", "d-fp16_t-int8", "odd-rows", "half-cache"],
 )
 def test_target_logits_do_not_depend_on_how_calls_are_cut(
-    bundles, precision_bundles, odd_rows_bundle, name
+    bundles, precision_bundles, odd_rows_bundle, half_cache_bundle, name
 ):
-    """What makes verify-K+1 equal to decoding one by one, bit for bit, at every precision,
-    with the padding the engine probed for."""
+    """What makes verify-K+1 equal to decoding one by one, bit for bit, at every precision
+    and cache type, with the padding the engine probed for."""
     paths = {"float32": bundles["llama"], **precision_bundles, "odd-rows": odd_rows_bundle}
+    paths["half-cache"] = half_cache_bundle
     engine = OrtEngine.from_bundle(Bundle.load(paths[name]), "target", threads=1)
     assert cuts_differ(engine) == []
 
@@ -175,3 +178,45 @@ def test_an_fp16_target_is_refused_on_cpu(pairs, tmp_path):
     )
     with pytest.raises(SpecrtError, match="the target is fp16, which is meant for GPU providers"):
         SpeculativeRuntime.load(path)
+
+
+def test_a_half_size_cache_is_exact_against_its_own_target(half_cache_bundle, precision_bundles):
+    """float16 keys and values: half the bytes a position, speculation exactly the same
+    target alone, and a model a little apart from the float32 cache's (the control: the
+    same int4 target keeping float32 gives other logits, close ones)."""
+    rt = SpeculativeRuntime.load(half_cache_bundle, threads=1)
+    same = SpeculativeRuntime.load(precision_bundles["d-int8_t-int4"], threads=1)
+    assert rt.target._cache_type == np.float16 and same.target._cache_type == np.float32
+    assert 2 * rt.target.position_bytes == same.target.position_bytes
+    for prompt in PROMPTS:
+        alone = rt.generate(prompt, max_new_tokens=40, speculate=False, ignore_eos=True)
+        for controller in CONTROLLERS:
+            spec = rt.generate(prompt, max_new_tokens=40, controller=controller, ignore_eos=True)
+            assert spec.token_ids == alone.token_ids, (prompt, controller)
+    ids = rt.encode(PROMPTS[0])
+    rt.target.reset()
+    same.target.reset()
+    half, full = rt.target.forward(ids), same.target.forward(ids)
+    assert 0 < np.abs(half - full).max() < 0.05 * np.abs(full).max()
+
+
+def test_a_half_size_cache_is_recorded_checked_and_shown(half_cache_bundle):
+    bundle = Bundle.load(half_cache_bundle)
+    target = bundle.role("target")
+    assert target.kv_cache == "float16" and target.info["precision"]["cache"] == "float16"
+    inputs = onnx.load(str(target.graph), load_external_data=False).graph.input
+    cache = next(i for i in inputs if i.name == "past_key_values.0.key")
+    assert cache.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
+    assert target.info["export_check"]["kl_mean_vs_float32"] >= 0  # checked as a conversion
+    shown = CliRunner().invoke(cli, ["inspect", str(half_cache_bundle)])
+    assert "keys and values kept in float16" in shown.output
+    assert "exact against the int4 target with its float16 cache" in shown.output
+
+
+def test_a_bad_cache_type_is_a_clear_error(pairs, tmp_path):
+    with pytest.raises(SpecrtError, match="KV cache type 'int8' is not one of float32, float16"):
+        Precision("fp32", cache="int8")
+    draft, target = pairs["llama"]
+    args = ["build", "--draft", str(draft), "--target", str(target), "--out", str(tmp_path / "b")]
+    refused = CliRunner().invoke(cli, [*args, "--kv-cache", "bfloat16"])
+    assert refused.exit_code == 2 and "--kv-cache" in refused.output

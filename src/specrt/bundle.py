@@ -55,6 +55,14 @@ class Role:
         """fp32, fp16, int8, int4 or gguf (bundles from before per-role precision are fp32)."""
         return self.info.get("precision", {}).get("weights", "fp32")
 
+    @property
+    def kv_cache(self) -> str:
+        """What the graph keeps keys and values in: float32, or float16 (an fp16 graph, or
+        a half-size cache asked for at build)."""
+        if self.precision == "fp16":
+            return "float16"
+        return self.info.get("precision", {}).get("cache", "float32")
+
 
 @dataclass(frozen=True)
 class Bundle:

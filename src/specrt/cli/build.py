@@ -48,6 +48,14 @@ from specrt.files import specrt_home
     help="int8/int4 MatMulNBits compute: 4 = int8 activations, 0/1 = float32 [default: 4].",
 )
 @click.option(
+    "--kv-cache",
+    type=click.Choice(["float32", "float16"]),
+    default="float32",
+    show_default=True,
+    help="What both models keep keys and values in: float16 halves the cache's memory "
+    "(outputs stay exact against the target built so; docs/precision.md says what it costs).",
+)
+@click.option(
     "--backend",
     type=click.Choice(["onnxruntime", "tensorrt"]),
     default="onnxruntime",
@@ -85,6 +93,7 @@ def build(
     target_precision: str,
     block_size: int | None,
     accuracy_level: int | None,
+    kv_cache: str,
     backend: str,
     trt_precision: str,
     workspace: float,
@@ -105,7 +114,7 @@ def build(
             version_compatible,
         )
 
-    options = {"block_size": block_size, "accuracy_level": accuracy_level}
+    options = {"block_size": block_size, "accuracy_level": accuracy_level, "cache": kv_cache}
     options = {key: value for key, value in options.items() if value is not None}
     precision = {
         role: Precision(weights, **options)

@@ -223,7 +223,7 @@ def _export_role(
     check = _check(role, tensors, ids, folder.with_name(f"{role}.check"), precision, plan)
     log(
         f"[{role}] writing the ONNX graph ({config.model_type}, {shape.num_layers} layers, "
-        f"{precision.weights})"
+        f"{_label(precision)})"
     )
     record = _write_role_graph(tensors, folder, capacity, precision, log)
     engine = None
@@ -270,7 +270,7 @@ def _write_role_graph(tensors, folder: Path, capacity: int, precision: Precision
         convert_float16(float32 / "model.onnx", folder)
         shutil.rmtree(float32)
     else:
-        write_graph(tensors, folder, capacity, projections)
+        write_graph(tensors, folder, capacity, projections, precision.kv_cache)
     record = {"tensors": projections.forms} if precision.weights == "gguf" else {}
     if precision.quantized:
         record["embedding"] = projections.embedding_form
@@ -278,6 +278,12 @@ def _write_role_graph(tensors, folder: Path, capacity: int, precision: Precision
     for form, count in sorted(Counter(projections.forms.values()).items()):
         log(f"  {count} x {form}")
     return record
+
+
+def _label(precision: Precision) -> str:
+    """fp32, int4, ... and the cache where it is not float32: "int4, float16 cache"."""
+    cache = precision.kv_cache
+    return precision.weights + ("" if cache == "float32" else f", {cache} cache")
 
 
 def _check(role: str, tensors, ids, scratch: Path, precision: Precision, plan: _Plan) -> dict:
@@ -307,13 +313,16 @@ def _check(role: str, tensors, ids, scratch: Path, precision: Precision, plan: _
             f"[{role}] max |logit difference| {check['max_abs_logit_diff']:.2e} "
             f"(tolerance {check['tolerance']:.2e})"
         )
-        if precision.weights == "fp32":
+        if not precision.converted:
             return check
         (scratch / "converted").mkdir()
         if precision.weights == "fp16":
             convert_float16(scratch / "fp32" / "model.onnx", scratch / "converted")
         else:
-            write_graph(subset, scratch / "converted", capacity, projections_for(precision))
+            converted_projections = projections_for(precision)
+            write_graph(
+                subset, scratch / "converted", capacity, converted_projections, precision.kv_cache
+            )
         converted = compare_converted(
             scratch / "fp32" / "model.onnx",
             scratch / "converted" / "model.onnx",
@@ -328,7 +337,7 @@ def _check(role: str, tensors, ids, scratch: Path, precision: Precision, plan: _
         else:
             check["part_vs_float32"] = converted
         log(
-            f"[{role}] {precision.weights} vs float32 on {converted['sample_tokens']} tokens of "
+            f"[{role}] {_label(precision)} vs float32 on {converted['sample_tokens']} tokens of "
             f"prose ({part}): KL mean {converted['kl_mean_vs_float32']:.4f}, top-1 agreement "
             f"{converted['top1_agreement_vs_float32']:.1%} (max |logit difference| "
             f"{converted['max_abs_logit_diff_vs_float32']:.2e})"

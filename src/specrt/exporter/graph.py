@@ -44,6 +44,10 @@ from specrt.exporter.tensors import Tensors
 
 OPSET = 18
 IR_VERSION = 10  # what ONNX Runtime >= 1.18 and TensorRT 10 load
+# The types a cache may be kept in. float16 halves its memory and what attention reads; the
+# new keys and values are rounded as they are written, and every call (prefill, decode,
+# verify) reads them back from the cache, so the model stays one model whatever the cut.
+CACHE_TYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,7 @@ class _Builder:
         self.initializers: list = []
         self.count = 0
         self.batch = ""  # the batch size as a 1-d tensor, set once the inputs are read
+        self.cache = TensorProto.FLOAT  # the type keys and values are kept in
 
     def op(self, op_type: str, *inputs: str, out: str | None = None, domain=None, **attrs) -> str:
         self.count += 1
@@ -181,11 +186,13 @@ def rope_tables(
     return cos[0].float().numpy(), sin[0].float().numpy()
 
 
-def write_graph(tensors: Tensors, out_dir: Path, capacity: int, projections=None) -> ModelShape:
+def write_graph(
+    tensors: Tensors, out_dir: Path, capacity: int, projections=None, cache: str = "float32"
+) -> ModelShape:
     """Write model.onnx and model.onnx.data into out_dir from the weights, one tensor at a
     time; return the model's shape. capacity: the positions the rotary tables cover (the
     cache's, margin included). projections: how weight matrices are written (float32 when
-    None; see projections.py)."""
+    None; see projections.py). cache: the type keys and values are kept in (CACHE_TYPES)."""
     config = tensors.config
     shape = model_shape(config)
     heads, kv, hd = shape.num_heads, shape.num_kv_heads, shape.head_dim
@@ -196,6 +203,7 @@ def write_graph(tensors: Tensors, out_dir: Path, capacity: int, projections=None
         family = family_of(config)
         family.check_capacity(capacity)
         b = _Builder(ExternalData(handle, "model.onnx.data"), tensors, projections, family)
+        b.cache = CACHE_TYPES[cache]
         # Shapes: S new tokens, T total (the longest row's past + new). Each row's token s sits
         # at position_ids[b, s], which is also its cache index (rows have their own lengths).
         ids_shape = b.op("Shape", "input_ids")
@@ -249,7 +257,11 @@ def write_graph(tensors: Tensors, out_dir: Path, capacity: int, projections=None
         b.op("Identity", logits, out="logits")
 
     graph = helper.make_graph(
-        b.nodes, "specrt_decoder", _inputs(shape), _outputs(shape), initializer=b.initializers
+        b.nodes,
+        "specrt_decoder",
+        _inputs(shape, b.cache),
+        _outputs(shape, b.cache),
+        initializer=b.initializers,
     )
     opsets = [helper.make_opsetid("", OPSET)]
     if any(node.domain == "com.microsoft" for node in b.nodes):
@@ -333,6 +345,8 @@ def _self_attention(
     k = _head_norm(b, project("k_proj", kv), f"{source}.k_norm", f"{prefix}.k_norm", a.eps)
     q, k = _rope(b, q, rotary), _rope(b, k, rotary)
     v = project("v_proj", kv)
+    if b.cache != TensorProto.FLOAT:  # kept at half size, computed with in float32
+        k, v = b.op("Cast", k, to=b.cache), b.op("Cast", v, to=b.cache)
     at, axis = a.scatter_at, 2
     keys = b.op(
         "ScatterElements", f"past_key_values.{i}.key", at, k, out=f"present.{i}.key", axis=axis
@@ -343,6 +357,9 @@ def _self_attention(
     first = b.const([0])
     keys = b.op("Slice", keys, first, a.total, b.const([2]))
     values = b.op("Slice", values, first, a.total, b.const([2]))
+    if b.cache != TensorProto.FLOAT:
+        keys = b.op("Cast", keys, to=TensorProto.FLOAT)
+        values = b.op("Cast", values, to=TensorProto.FLOAT)
 
     # Grouped-query attention without repeating K/V: fold each group's query heads into rows.
     q = b.op("Mul", q, b.const(b.family.attention_scale(hd), np.float32))
@@ -383,7 +400,7 @@ def _rotary(b: _Builder, config, capacity: int, key: str | None, head_dim: int) 
     return Rotary(cos, sin, cos_table.shape[-1], head_dim)
 
 
-def _inputs(shape: ModelShape) -> list:
+def _inputs(shape: ModelShape, cache_type: int) -> list:
     cache = ["batch_size", shape.num_kv_heads, "capacity", shape.head_dim]
     inputs = [
         helper.make_tensor_value_info(
@@ -400,14 +417,12 @@ def _inputs(shape: ModelShape) -> list:
     for i in range(shape.num_layers):
         for kind in ("key", "value"):
             inputs.append(
-                helper.make_tensor_value_info(
-                    f"past_key_values.{i}.{kind}", TensorProto.FLOAT, cache
-                )
+                helper.make_tensor_value_info(f"past_key_values.{i}.{kind}", cache_type, cache)
             )
     return inputs
 
 
-def _outputs(shape: ModelShape) -> list:
+def _outputs(shape: ModelShape, cache_type: int) -> list:
     cache = ["batch_size", shape.num_kv_heads, "capacity", shape.head_dim]
     outputs = [
         helper.make_tensor_value_info(
@@ -416,7 +431,5 @@ def _outputs(shape: ModelShape) -> list:
     ]
     for i in range(shape.num_layers):
         for kind in ("key", "value"):
-            outputs.append(
-                helper.make_tensor_value_info(f"present.{i}.{kind}", TensorProto.FLOAT, cache)
-            )
+            outputs.append(helper.make_tensor_value_info(f"present.{i}.{kind}", cache_type, cache))
     return outputs

@@ -37,6 +37,7 @@ from specrt.errors import SpecrtError
 from specrt.exporter.external_data import ExternalData
 
 PRECISIONS = ("fp32", "fp16", "int8", "int4", "gguf")
+CACHES = ("float32", "float16")  # what keys and values are kept in (graph.CACHE_TYPES)
 # Defaults measured fastest on a 2-core AVX-512 VNNI box (see docs/precision.md).
 DEFAULT_BLOCK_SIZE = 128
 DEFAULT_ACCURACY_LEVEL = 4  # int8 activations: the VNNI kernels
@@ -51,6 +52,7 @@ class Precision:
     weights: str = "fp32"
     block_size: int = DEFAULT_BLOCK_SIZE
     accuracy_level: int = DEFAULT_ACCURACY_LEVEL
+    cache: str = "float32"  # an fp16 graph keeps an fp16 cache whatever this says
 
     def __post_init__(self) -> None:
         if self.weights not in PRECISIONS:
@@ -59,6 +61,18 @@ class Precision:
             raise SpecrtError(f"block size must be a power of two >= 16, got {self.block_size}")
         if self.accuracy_level not in (0, 1, 2, 3, 4):
             raise SpecrtError(f"accuracy level must be 0..4, got {self.accuracy_level}")
+        if self.cache not in CACHES:
+            raise SpecrtError(f"KV cache type {self.cache!r} is not one of {', '.join(CACHES)}")
+
+    @property
+    def converted(self) -> bool:
+        """Whether the graph differs from the float32 one (its weights or its cache)."""
+        return self.weights != "fp32" or self.kv_cache != "float32"
+
+    @property
+    def kv_cache(self) -> str:
+        """The type the graph keeps keys and values in."""
+        return "float16" if self.weights == "fp16" else self.cache
 
     @property
     def quantized(self) -> bool:
@@ -66,6 +80,8 @@ class Precision:
 
     def as_dict(self) -> dict:
         record = {"weights": self.weights}
+        if self.cache != "float32":
+            record["cache"] = self.cache
         if self.weights == "gguf":
             record.update(
                 accuracy_level=self.accuracy_level,

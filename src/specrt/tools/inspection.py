@@ -66,6 +66,8 @@ def precision_lines(bundle: Bundle) -> list[str]:
     means for the outputs."""
     target = bundle.role("target").precision
     exact = "the float32 target" if target == "fp32" else f"the {target} target, not float32"
+    if bundle.role("target").kv_cache != "float32" and target != "fp16":
+        exact = f"the {target} target with its {bundle.role('target').kv_cache} cache"
     lines = []
     for name in bundle.roles:
         role = bundle.role(name)
@@ -79,6 +81,8 @@ def precision_lines(bundle: Bundle) -> list[str]:
         elif "block_size" in info:
             how = f" (MatMulNBits, block {info['block_size']}, accuracy level "
             how += f"{info['accuracy_level']}; embedding {info['embedding']})"
+        if role.kv_cache != "float32" and role.precision != "fp16":
+            how += f"; keys and values kept in {role.kv_cache}"
         check = role.info["export_check"]
         if "kl_mean_vs_float32" in check:
             how += (

@@ -14,9 +14,11 @@ import pytest
 from pydantic import BaseModel, Field
 from servers import client, http, serving, wait_healthy
 
+from specrt.bundle import Bundle
 from specrt.exporter.build import build_bundle
+from specrt.runtime.grammar import Grammars
 from specrt.serve import ServeSettings
-from specrt.serve.tools import CallStream, parse_calls
+from specrt.serve.tools import CallStream, Tools, parse_calls
 
 CONTEXT = 1024
 GREEDY = {"temperature": 0}
@@ -168,10 +170,13 @@ def test_a_required_tool_call_round_trip(server):
 
 
 def test_a_named_tool_is_the_one_called(server):
+    """A named choice yields exactly one call of that function (the grammar ends the turn after
+    it, as OpenAI's named choice does); parallel_tool_calls off, one call at most."""
     named = {"type": "function", "function": {"name": "get_time"}}
     reply = chat(server, tools=[WEATHER, TIME], tool_choice=named, max_tokens=80, **GREEDY)
     calls = reply.choices[0].message.tool_calls
-    assert calls and {c.function.name for c in calls} == {"get_time"}
+    assert [c.function.name for c in calls] == ["get_time"]
+    assert reply.choices[0].finish_reason == "tool_calls"
     single = chat(
         server,
         tools=[WEATHER],
@@ -181,6 +186,23 @@ def test_a_named_tool_is_the_one_called(server):
         **GREEDY,
     )
     assert len(single.choices[0].message.tool_calls) == 1
+
+
+def test_only_required_calls_in_parallel_may_repeat(bundles):
+    """The control for the test above: the grammar's start rule admits further calls only for
+    `required` with parallel calls on; a named choice and parallel_tool_calls off admit one."""
+    target = Bundle.load(bundles["qwen2"]).role("target")
+    eos = Bundle.load(bundles["qwen2"]).eos_token_ids
+    grammars = Grammars(target.folder / "tokenizer.json", target.dim("vocab_size"), eos)
+    several = 'start: call ("\\n" call)*'
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for choice, parallel, repeats in [
+        ("required", True, True),
+        ("required", False, False),
+        (named, True, False),
+    ]:
+        lark = Tools([WEATHER, TIME], choice, parallel).structure(grammars).value
+        assert lark.startswith(several) == repeats, (choice, parallel)
 
 
 def test_tool_calls_are_parsed_from_text():

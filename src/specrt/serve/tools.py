@@ -101,7 +101,11 @@ class Tools:
                 "x-guidance": JSON_LAYOUT,
             }
             rules.append(f"f{i}: %json {json.dumps(call)}")
-        start = 'start: call ("\\n" call)*' if self.parallel else "start: call"
+        # A named function is called once (as OpenAI's and vLLM's named choice); `required`
+        # calls as many as the model writes, one with parallel_tool_calls off. After the last
+        # call the grammar admits only the end of the turn.
+        several = self.parallel and self.choice == "required"
+        start = 'start: call ("\\n" call)*' if several else "start: call"
         alternatives = " | ".join(f"f{i}" for i in range(len(chosen)))
         call = (
             f'call: {grammars.literal(OPEN)} "\\n" ({alternatives}) "\\n" {grammars.literal(CLOSE)}'

@@ -347,3 +347,14 @@ def test_a_phi3_gguf_reads_its_fused_projections_as_their_parts(tmp_path):
         name = f"{layer}.{part}.weight"
         assert tensors.shape(name) == want.shape
         assert np.array_equal(tensors.rows(name, np.arange(len(want))), want), part
+
+
+def test_a_gguf_pair_builds_as_a_user_expects_with_no_flags(gguf_files, tmp_path):
+    """`specrt build --draft D.gguf --target T.gguf --out B` and nothing else: the target as
+    the file's own blocks, an int4 draft, the model's own context (the file says 1,024)."""
+    spec, out = str(gguf_files["qwen2"]), tmp_path / "b"
+    done = CliRunner().invoke(cli, ["build", "--draft", spec, "--target", spec, "--out", str(out)])
+    assert done.exit_code == 0, done.output
+    bundle = Bundle.load(out)
+    assert (bundle.role("draft").precision, bundle.role("target").precision) == ("int4", "gguf")
+    assert bundle.max_context == 1024

@@ -35,6 +35,7 @@ from onnx import numpy_helper
 from specrt.bundle import QUANTIZED
 from specrt.errors import SpecrtError
 from specrt.exporter.external_data import ExternalData
+from specrt.sources import Source
 
 PRECISIONS = ("fp32", "fp16", "int8", "int4", "gguf")
 CACHES = ("float32", "float16")  # what keys and values are kept in (graph.CACHE_TYPES)
@@ -98,6 +99,19 @@ class Precision:
         elif self.weights == "fp16":
             record.update(io="fp16", kept_float32=FP16_KEPT_FLOAT32)
         return record
+
+
+def default_weights(role: str, spec: str, tensorrt: bool = False) -> str:
+    """What `specrt build` gives a role it is told nothing of: an int4 draft (its precision
+    moves only acceptance, and int4 drafts fastest), and a target from a GGUF file as the
+    file's own blocks (the model the user chose, as llama.cpp runs it; float32 would be four to
+    eight times the bytes), float32 from any other source. TensorRT builds take float32
+    graphs (the engine has a precision of its own)."""
+    if tensorrt:
+        return "fp32"
+    if role == "draft":
+        return "int4"
+    return "gguf" if Source.parse(spec).kind == "gguf" else "fp32"
 
 
 def convert_float16(source: Path, out_dir: Path) -> None:

@@ -31,15 +31,15 @@ from specrt.files import specrt_home
 @click.option("--force", is_flag=True, help="Replace an existing bundle.")
 @click.option(
     "--draft-precision",
-    default="fp32",
-    show_default=True,
-    help="fp32|fp16|int8|int4|gguf. Changes acceptance only: outputs stay exact.",
+    default=None,
+    help="fp32|fp16|int8|int4|gguf. Changes acceptance only: outputs stay exact "
+    "[default: int4, the fastest draft].",
 )
 @click.option(
     "--target-precision",
-    default="fp32",
-    show_default=True,
-    help="fp32|fp16|int8|int4|gguf (a GGUF file's own blocks). Outputs are exact against it.",
+    default=None,
+    help="fp32|fp16|int8|int4|gguf (a GGUF file's own blocks). Outputs are exact against it "
+    "[default: gguf for a GGUF file, the model llama.cpp runs; fp32 otherwise].",
 )
 @click.option("--block-size", type=int, help="int8/int4 quantization block [default: 128].")
 @click.option(
@@ -54,6 +54,12 @@ from specrt.files import specrt_home
     show_default=True,
     help="What both models keep keys and values in: float16 halves the cache's memory "
     "(outputs stay exact against the target built so; docs/precision.md says what it costs).",
+)
+@click.option(
+    "--chat-template",
+    type=click.Path(path_type=Path),
+    help="A Jinja chat template stored in the bundle in place of the tokenizer's (for a model "
+    "whose files carry none, or a fixed one).",
 )
 @click.option(
     "--backend",
@@ -89,11 +95,12 @@ def build(
     max_lookup: int,
     max_context: int | None,
     force: bool,
-    draft_precision: str,
-    target_precision: str,
+    draft_precision: str | None,
+    target_precision: str | None,
     block_size: int | None,
     accuracy_level: int | None,
     kv_cache: str,
+    chat_template: Path | None,
     backend: str,
     trt_precision: str,
     workspace: float,
@@ -102,8 +109,9 @@ def build(
 ):
     """Export DRAFT and TARGET to an ONNX bundle, checked against PyTorch."""
     from specrt.exporter.build import build_bundle
-    from specrt.exporter.precision import Precision
+    from specrt.exporter.precision import Precision, default_weights
     from specrt.exporter.tensorrt import TrtOptions
+    from specrt.runtime.text import read_template
 
     tensorrt = None
     if backend == "tensorrt":
@@ -116,9 +124,14 @@ def build(
 
     options = {"block_size": block_size, "accuracy_level": accuracy_level, "cache": kv_cache}
     options = {key: value for key, value in options.items() if value is not None}
+    asked = {"draft": draft_precision, "target": target_precision}
+    specs = {"draft": draft, "target": target}
     precision = {
-        role: Precision(weights, **options)
-        for role, weights in (("draft", draft_precision), ("target", target_precision))
+        role: Precision(
+            weights or default_weights(role, specs[role], tensorrt is not None), **options
+        )
+        for role, weights in asked.items()
+        if specs[role] is not None
     }
     build_bundle(
         draft,
@@ -130,6 +143,7 @@ def build(
         force=force,
         precision=precision,
         tensorrt=tensorrt,
+        chat_template=read_template(chat_template) if chat_template else None,
         log=_log,
     )
     click.echo(f"bundle written: {out}")

@@ -76,6 +76,12 @@ from specrt.runtime.scheduler import PREFILL_CHUNK
     "not computed again [default: a quarter of the memory available at start-up, 8 GiB at "
     "most].",
 )
+@click.option(
+    "--chat-template",
+    type=click.Path(path_type=Path),
+    help="A Jinja chat template used in place of the bundle's (for a bundle without one, or "
+    "to fix one).",
+)
 @click.option("--log-level", default="info", show_default=True)
 @click.option("--ray", "on_ray", is_flag=True, help="Serve on Ray Serve (the ray extra).")
 @click.option("--replicas", type=int, default=1, show_default=True, help="--ray: engine replicas.")
@@ -99,6 +105,7 @@ def serve(
     prefill_chunk,
     kv_budget,
     prefix_cache,
+    chat_template,
     log_level,
     on_ray,
     replicas,
@@ -132,6 +139,7 @@ def serve(
         prefill_chunk=prefill_chunk,
         kv_budget=kv_budget,
         prefix_cache=prefix_cache,
+        chat_template=chat_template,
     )
     ray = RayOptions(replicas=replicas, min_replicas=min_replicas, max_replicas=max_replicas)
     if not on_ray and (ray != RayOptions() or ray_address):

@@ -103,6 +103,7 @@ def build_bundle(
     force: bool = False,
     precision: dict[str, Precision] | None = None,
     tensorrt: TrtOptions | None = None,
+    chat_template: str | None = None,
     log: Log = print,
 ) -> Path:
     """Export, check and write a bundle atomically; return its path.
@@ -112,7 +113,7 @@ def build_bundle(
     every slot can hold it, and a CPU slot's memory follows what it holds). precision maps a
     role to its weight precision (float32 where not given); tensorrt, when given, also compiles
     each role's graph into a TensorRT engine (and fails before any export where TensorRT or a
-    GPU is missing).
+    GPU is missing); chat_template: Jinja text stored in place of the target tokenizer's.
     """
     roles = [r for r in ROLES if r == "target" or draft is not None]
     precision = {role: (precision or {}).get(role, Precision()) for role in roles}
@@ -149,7 +150,7 @@ def build_bundle(
             "kv_cache": {"positions": "per_row", "margin": CACHE_MARGIN},
             "profiles": {p.name: p.as_dict() for p in plan.profiles},
             "eos_token_ids": eos["target"],  # the target decides when text ends
-            "chat_template": tokenizers["target"].chat_template,
+            "chat_template": chat_template or tokenizers["target"].chat_template,
             "roles": entries,
         }
         check_pair(manifest)

@@ -54,18 +54,20 @@ class SpeculativeRuntime:
         prompt_cache: bool = True,
         prefix_store: int = 0,
         prefill_chunk: int | None = PREFILL_CHUNK,
+        chat_template: str | None = None,
     ):
         """draft is None for a bundle built without a draft model; drafter is the default
         source of drafts (`model`, `ngram` or `hybrid`; default: model where there is one);
         prompt_cache: a prompt starts from what a slot already holds of it (exact; see
         prompt_cache.py), off where a benchmark measures prefill; prefix_store: bytes of host
         memory that keep prefixes beyond the slots (0: none; prefix_store.py); prefill_chunk:
-        prompt tokens a batch feeds between rounds (None: each prompt whole, scheduler.py)."""
+        prompt tokens a batch feeds between rounds (None: each prompt whole, scheduler.py);
+        chat_template: Jinja text used in place of the bundle's."""
         self.bundle = bundle
         self.draft, self.target = draft, target
         self.drafter: str = drafter or ("ngram" if draft is None else "model")
         make_drafter(self.drafter, draft)  # refuse a bad name now, not mid-request
-        self.tokenizer = TextTokenizer.from_bundle(bundle)
+        self.tokenizer = TextTokenizer.from_bundle(bundle, chat_template)
         self.eos_token_ids = frozenset(bundle.eos_token_ids)
         folder = bundle.role("target").folder
         self.grammars = Grammars(folder / "tokenizer.json", target.vocab_size, bundle.eos_token_ids)
@@ -107,6 +109,7 @@ class SpeculativeRuntime:
         prompt_cache: bool = True,
         prefix_store: int = 0,
         prefill_chunk: int | None = PREFILL_CHUNK,
+        chat_template: str | None = None,
         **engine_options,
     ) -> SpeculativeRuntime:
         """slots: requests the engines hold side by side (a server's --max-batch)."""
@@ -126,6 +129,7 @@ class SpeculativeRuntime:
             prompt_cache=prompt_cache,
             prefix_store=prefix_store,
             prefill_chunk=prefill_chunk,
+            chat_template=chat_template,
         )
         if calibrate:
             runtime.calibrate()

@@ -20,11 +20,32 @@ def _token_text(value) -> str | None:
     return value.get("content") if isinstance(value, dict) else value
 
 
+def read_template(path: Path) -> str:
+    """A chat template file's Jinja text (`--chat-template`), refused here if it does not
+    parse, rather than at the first chat request."""
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise SpecrtError(f"--chat-template {path}: cannot read it ({err})") from err
+    try:
+        ImmutableSandboxedEnvironment().parse(text)
+    except TemplateSyntaxError as err:
+        raise SpecrtError(
+            f"--chat-template {path}: not a Jinja template (line {err.lineno}: {err.message})"
+        ) from err
+    return text
+
+
 class TextTokenizer:
     @classmethod
-    def from_bundle(cls, bundle) -> TextTokenizer:
-        """The target's tokenizer and the bundle's chat template (draft and target share them)."""
-        return cls(bundle.role("target").folder, bundle.manifest.get("chat_template"))
+    def from_bundle(cls, bundle, chat_template: str | None = None) -> TextTokenizer:
+        """The target's tokenizer and the bundle's chat template (draft and target share them),
+        or the template given in its place (`--chat-template`)."""
+        template = chat_template or bundle.manifest.get("chat_template")
+        return cls(bundle.role("target").folder, template)
 
     def __init__(self, folder: Path, chat_template: str | None):
         self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
@@ -70,7 +91,11 @@ class TextTokenizer:
         tools: Sequence[dict] | None = None,
     ) -> str:
         if not self.chat_template:
-            raise SpecrtError("this bundle's tokenizer has no chat template; send a plain prompt")
+            raise SpecrtError(
+                "this bundle has no chat template (its tokenizer came without one): send a "
+                "plain prompt, or give the model's template as a Jinja file with "
+                "`specrt serve --chat-template FILE` (or build the bundle with it)"
+            )
         from jinja2 import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 

@@ -100,6 +100,7 @@ class LocalService:
                 slots=slots,
                 prompt_cache=s.prompt_cache,
                 prefix_store=s.prefix_bytes(),
+                chat_template=s.template(),
                 prefill_chunk=s.prefill_chunk or None,
             )
         except Exception as err:

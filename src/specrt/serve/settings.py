@@ -12,6 +12,7 @@ from specrt.runtime.budget import parse_bytes, parse_size
 from specrt.runtime.controller import make_controller
 from specrt.runtime.prefix_store import default_capacity
 from specrt.runtime.scheduler import PREFILL_CHUNK
+from specrt.runtime.text import read_template
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class ServeSettings:
     prefill_chunk: int = PREFILL_CHUNK  # prompt tokens fed between rounds (0: each whole)
     kv_budget: str | None = None  # cache positions ("65536") or bytes ("12GB") slots share
     prefix_cache: str | None = None  # host memory for prefixes beyond the slots ("0": none)
+    chat_template: Path | None = None  # a Jinja file used in place of the bundle's template
 
     @property
     def served_model(self) -> str:
@@ -61,6 +63,11 @@ class ServeSettings:
         if self.kv_budget is not None:
             parse_size(self.kv_budget)
         self.prefix_bytes()
+        self.template()
+
+    def template(self) -> str | None:
+        """--chat-template's text, checked (None: the bundle's own)."""
+        return read_template(self.chat_template) if self.chat_template else None
 
     def prefix_bytes(self) -> int:
         """Bytes of host memory the prefix store may take: --prefix-cache, or the default

@@ -435,7 +435,8 @@ def test_a_request_queued_past_its_deadline_gets_a_504(bundle, reference, long_s
         server.start()
         ahead = Job(reference.sequence(PROMPTS[0], max_new_tokens=900, ignore_eos=True))
         server.worker.submit(ahead)
-        (queued,) = [Job(s) for s in server.sequences(CompletionRequest(prompt="x", max_tokens=2))]
+        (sequence,), _ = server.sequences(CompletionRequest(prompt="x", max_tokens=2))
+        queued = Job(sequence)
         server.worker.submit(queued)
         event = await queued.next()
         assert isinstance(event, Failed) and event.error.status == 504

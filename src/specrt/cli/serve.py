@@ -82,6 +82,14 @@ from specrt.runtime.scheduler import PREFILL_CHUNK
     help="A Jinja chat template used in place of the bundle's (for a bundle without one, or "
     "to fix one).",
 )
+@click.option(
+    "--reasoning-parser",
+    type=click.Choice(["auto", "think", "none"]),
+    default="auto",
+    show_default=True,
+    help="Return a <think>...</think> thought as reasoning_content, apart from the answer "
+    "(auto: where the chat template writes the tags).",
+)
 @click.option("--log-level", default="info", show_default=True)
 @click.option("--ray", "on_ray", is_flag=True, help="Serve on Ray Serve (the ray extra).")
 @click.option("--replicas", type=int, default=1, show_default=True, help="--ray: engine replicas.")
@@ -106,6 +114,7 @@ def serve(
     kv_budget,
     prefix_cache,
     chat_template,
+    reasoning_parser,
     log_level,
     on_ray,
     replicas,
@@ -140,6 +149,7 @@ def serve(
         kv_budget=kv_budget,
         prefix_cache=prefix_cache,
         chat_template=chat_template,
+        reasoning_parser=reasoning_parser,
     )
     ray = RayOptions(replicas=replicas, min_replicas=min_replicas, max_replicas=max_replicas)
     if not on_ray and (ray != RayOptions() or ray_address):

@@ -135,10 +135,15 @@ class SpeculativeRuntime:
             runtime.calibrate()
         return runtime
 
-    def encode(self, prompt: Prompt, tools: cabc.Sequence[dict] | None = None) -> list[int]:
-        """Token ids for a prompt (see TextTokenizer.encode_prompt; tools, in OpenAI's form, go
-        to the chat template), checked against the context."""
-        ids = self.tokenizer.encode_prompt(prompt, tools)
+    def encode(
+        self,
+        prompt: Prompt,
+        tools: cabc.Sequence[dict] | None = None,
+        template_kwargs: dict | None = None,
+    ) -> list[int]:
+        """Token ids for a prompt (see TextTokenizer.encode_prompt; tools, in OpenAI's form,
+        and extra template variables go to the chat template), checked against the context."""
+        ids = self.tokenizer.encode_prompt(prompt, tools, template_kwargs)
         if not ids:
             raise SpecrtError("the prompt is empty", param="prompt")
         self._fits("prompt", len(ids), ", leaving no room to generate", room=1)

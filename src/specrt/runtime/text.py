@@ -65,14 +65,18 @@ class TextTokenizer:
         return encoding.ids, [end for _, end in encoding.offsets]
 
     def encode_prompt(
-        self, prompt: str | Sequence[dict] | Sequence[int], tools: Sequence[dict] | None = None
+        self,
+        prompt: str | Sequence[dict] | Sequence[int],
+        tools: Sequence[dict] | None = None,
+        template_kwargs: dict | None = None,
     ) -> list[int]:
         """Text is tokenized as is; a list of {role, content} dicts goes through the chat
-        template (with the tools, where given); a list of ints is taken as token ids."""
+        template (with the tools and the extra variables, where given); a list of ints is
+        taken as token ids."""
         if isinstance(prompt, str):
             return self.encode(prompt)
         if prompt and all(isinstance(m, dict) for m in prompt):
-            text = self.render_chat(prompt, tools=tools)
+            text = self.render_chat(prompt, tools=tools, **(template_kwargs or {}))
             return self.encode(text, add_special_tokens=False)
         return [int(t) for t in prompt]
 
@@ -89,7 +93,10 @@ class TextTokenizer:
         *,
         add_generation_prompt: bool = True,
         tools: Sequence[dict] | None = None,
+        **variables,
     ) -> str:
+        """The template's text for these messages; variables: extra ones the template reads
+        (Qwen3's enable_thinking), which cannot replace its own."""
         if not self.chat_template:
             raise SpecrtError(
                 "this bundle has no chat template (its tokenizer came without one): send a "
@@ -106,13 +113,14 @@ class TextTokenizer:
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:
-            return env.from_string(self.chat_template).render(
-                messages=list(messages),
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-                tools=list(tools) if tools else None,
-            )
+            own = {
+                "messages": list(messages),
+                "add_generation_prompt": add_generation_prompt,
+                "bos_token": self.bos_token or "",
+                "eos_token": self.eos_token or "",
+                "tools": list(tools) if tools else None,
+            }
+            return env.from_string(self.chat_template).render({**variables, **own})
         except TemplateError as err:
             raise SpecrtError(f"the chat template rejected these messages: {err}") from err
 

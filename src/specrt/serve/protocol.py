@@ -227,6 +227,7 @@ class _Request(BaseModel):
 
 class CompletionRequest(_Request):
     default_max_tokens: ClassVar[int | None] = 16  # OpenAI's default for completions
+    template_kwargs: ClassVar[None] = None  # a plain prompt meets no template
 
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
@@ -311,6 +312,9 @@ class ChatRequest(_Request):
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True
+    # Extra variables for the chat template, as vLLM and llama-server take them (Qwen3's
+    # `enable_thinking`); the template's own (messages, tools, ...) cannot be replaced.
+    chat_template_kwargs: dict | None = None
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
@@ -342,6 +346,10 @@ class ChatRequest(_Request):
 
     def prompt_input(self) -> list[dict]:
         return [m.as_template_input() for m in self.messages]
+
+    @property
+    def template_kwargs(self) -> dict | None:
+        return self.chat_template_kwargs
 
     @property
     def token_limit(self) -> int | None:

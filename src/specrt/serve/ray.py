@@ -137,15 +137,16 @@ class EngineReplica:
         if self.service.load_error:
             raise SpecrtError(f"{settings.bundle} could not be loaded: {self.service.load_error}")
 
-    async def events(self, body: Body) -> AsyncIterator[str | Event]:
-        """The replica's id, then the request's events. Cancelling the call (the client left)
-        cancels the request."""
-        yield self.replica
+    async def events(self, body: Body) -> AsyncIterator[tuple | Event]:
+        """The replica's id and whether the text is parsed for a thought (Job.thinking), then
+        the request's events. Cancelling the call (the client left) cancels the request."""
         try:
             (stream,) = await self.service.open(body)  # the ingress sends a choice a call
         except APIError as err:
+            yield self.replica, None
             yield Failed(err)
             return
+        yield self.replica, stream.thinking
         try:
             while True:
                 event = await stream.next()
@@ -178,8 +179,9 @@ class RayStream:
     """A request's events from an engine replica; a replica that dies mid-request ends it
     with an explicit 503, never a hang."""
 
-    def __init__(self, events: DeploymentResponseGenerator, replica: str):
+    def __init__(self, events: DeploymentResponseGenerator, replica: str, thinking: bool | None):
         self.events, self.headers = events, {REPLICA_HEADER: replica}
+        self.thinking = thinking
         self._ended = False
 
     async def next(self) -> Event:
@@ -241,13 +243,13 @@ class RayService:
     async def _open(self, body: Body) -> RayStream:
         events = self.engine.options(stream=True).events.remote(body)
         try:
-            replica = await events.__anext__()
+            replica, thinking = await events.__anext__()
         except Exception as err:
             error = failure(err)
             if error.kind == "busy":
                 self.metrics.rejected.inc()
             raise error from err
-        return RayStream(events, replica)
+        return RayStream(events, replica, thinking)
 
 
 def failure(err: Exception) -> APIError:

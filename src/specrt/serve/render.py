@@ -13,6 +13,7 @@ import uuid
 from dataclasses import dataclass
 
 from specrt.runtime import Result, TokenLogprob
+from specrt.serve.reasoning import ThoughtStream, split
 from specrt.serve.tools import CallStream, ToolCall, parse_calls
 
 # OpenAI's finish reasons; "timeout" and "cancelled" are specrt's own and pass as they are.
@@ -64,6 +65,8 @@ class _Choice:
     """What the writer keeps of one choice while it streams."""
 
     calls: CallStream | None  # where tools were given: the text's calls, whole
+    thinking: bool | None = None  # parsed for a thought (None: not), starting inside it
+    thought: ThoughtStream | None = None  # where parsed: the streamed text's thought
     sent_role: bool = False
     called: int = 0  # tool calls streamed so far
     offset: int = 0  # characters of completion text before the next logprob entry
@@ -77,11 +80,22 @@ class Writer:
     chunk, or the whole body. The request's one response object: its id, its clock and what
     each choice has streamed so far."""
 
-    def __init__(self, chat: bool, model: str, tools: bool = False, n: int = 1):
+    def __init__(
+        self, chat: bool, model: str, tools: bool = False, thinking: list[bool | None] = (None,)
+    ):
+        """thinking: per choice, whether its text is parsed for a thought (None: not) and
+        whether it starts inside one (reasoning.py); its length is the request's n."""
         self.chat, self.model = chat, model
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.choices = [_Choice(CallStream() if tools else None) for _ in range(n)]
+        self.choices = [
+            _Choice(
+                CallStream() if tools else None,
+                inside,
+                None if inside is None or not chat else ThoughtStream(inside),
+            )
+            for inside in thinking
+        ]
 
     @property
     def done(self) -> bool:
@@ -105,12 +119,17 @@ class Writer:
     ) -> dict:
         state = self.choices[index]
         calls: list[ToolCall] = []
+        reasoning = ""
+        if state.thought is not None:
+            reasoning, text = state.thought.feed(text, final=finish is not None)
         if state.calls is not None:
             text, calls = state.calls.feed(text, final=finish is not None)
         if not self.chat:
             choice = {"index": index, "text": text, "logprobs": self._logprobs(index, logprobs)}
             return self._envelope("text_completion", [{**choice, "finish_reason": finish}])
-        delta: dict = {} if finish and not text else {"content": text}
+        delta: dict = {} if (finish or reasoning) and not text else {"content": text}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
         if calls:
             delta["tool_calls"] = [c.as_dict(state.called + i) for i, c in enumerate(calls)]
             state.called += len(calls)
@@ -154,11 +173,15 @@ class Writer:
         finish = finish_reason(result)
         logprobs = self._logprobs(index, result.logprobs)
         if self.chat:
-            message: dict = {"role": "assistant", "content": result.text}
-            if self.choices[index].calls is not None:
-                content, calls = parse_calls(result.text)
+            text, state = result.text, self.choices[index]
+            message: dict = {"role": "assistant", "content": text}
+            if state.thinking is not None:
+                message["reasoning_content"], text = split(text, state.thinking)
+                message["content"] = text or None
+            if state.calls is not None:
+                content, calls = parse_calls(text)
                 if calls:
-                    message = {"role": "assistant", "content": content or None}
+                    message["content"] = content or None
                     message["tool_calls"] = [call.as_dict() for call in calls]
                     finish = "tool_calls" if result.finish_reason in ("eos", "stop") else finish
             choice = {"index": index, "message": message, "logprobs": logprobs}

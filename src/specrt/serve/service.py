@@ -26,6 +26,7 @@ from specrt.serve.errors import APIError
 from specrt.serve.events import Event
 from specrt.serve.metrics import Metrics
 from specrt.serve.protocol import ChatRequest, CompletionRequest
+from specrt.serve.reasoning import opens_thought, parses
 from specrt.serve.settings import ServeSettings
 from specrt.serve.worker import Job, Worker
 
@@ -39,6 +40,7 @@ class Stream(Protocol):
     `cancel` may be called at any time, also after the last event (then it does nothing)."""
 
     headers: dict[str, str]  # added to the response (which replica served it, under Ray)
+    thinking: bool | None  # its text is parsed for a thought (None: not), starting inside one
 
     async def next(self) -> Event: ...
     def cancel(self) -> None: ...
@@ -165,9 +167,9 @@ class LocalService:
                 card["prefix_cache_bytes"] = self.runtime.prompt_cache.store_bytes
         return card
 
-    def sequences(self, body: Body) -> list[Sequence]:
-        """The runtime's sequences for a request, one per choice (tokenizes: call it off the
-        event loop)."""
+    def sequences(self, body: Body) -> tuple[list[Sequence], bool | None]:
+        """The runtime's sequences for a request, one per choice, and whether their text is
+        parsed for a thought (tokenizes: call it off the event loop)."""
         runtime, limit = self.runtime, body.token_limit
         prompt_field = "messages" if isinstance(body, ChatRequest) else "prompt"
         options, asked = body.options(self.settings.controller, self.settings.drafter)
@@ -178,7 +180,8 @@ class LocalService:
                 structure = tools.structure(runtime.grammars)
                 if structure is not None:
                     options, asked = replace(options, structure=structure), "tool_choice"
-            ids = runtime.encode(body.prompt_input(), tools.rendered if tools else None)
+            rendered = tools.rendered if tools else None
+            ids = runtime.encode(body.prompt_input(), rendered, body.template_kwargs)
             room = runtime.bundle.max_context - len(ids)
             if limit is not None and limit > room:
                 raise APIError(
@@ -190,15 +193,28 @@ class LocalService:
                 )
             maximum = min(limit or body.default_max_tokens or room, room)
             options = replace(options, max_new_tokens=maximum, timeout=self.settings.timeout)
-            return runtime.sequences(ids, options, body.n)
+            return runtime.sequences(ids, options, body.n), self._thinking(body, options, ids)
         except SpecrtError as err:
             renames = {"structure": asked}
             raise APIError.from_specrt(err, prompt_field, renames) from err
 
+    def _thinking(self, body: Body, options, ids: list[int]) -> bool | None:
+        """Whether a chat request's output is parsed for a thought (--reasoning-parser), and
+        whether its prompt left one open. Not where a structure constrains the output: the
+        grammar starts at the first token, so the output is the answer."""
+        tokenizer = self.runtime.tokenizer
+        parser = self.settings.reasoning_parser
+        if not isinstance(body, ChatRequest) or options.structure is not None:
+            return None
+        if not parses(parser, tokenizer.chat_template):
+            return None
+        return opens_thought("".join(map(tokenizer.token_text, ids[-32:])))
+
     async def open(self, body: Body) -> list[Job]:
         """A job per choice, queued together: if one cannot be (the queue is full), none stays."""
         _, worker = self.ready()
-        jobs = [Job(sequence) for sequence in await run_in_threadpool(self.sequences, body)]
+        sequences, thinking = await run_in_threadpool(self.sequences, body)
+        jobs = [Job(sequence, thinking) for sequence in sequences]
         try:
             for job in jobs:
                 worker.submit(job)

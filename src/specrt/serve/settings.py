@@ -13,6 +13,7 @@ from specrt.runtime.controller import make_controller
 from specrt.runtime.prefix_store import default_capacity
 from specrt.runtime.scheduler import PREFILL_CHUNK
 from specrt.runtime.text import read_template
+from specrt.serve.reasoning import PARSERS
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class ServeSettings:
     kv_budget: str | None = None  # cache positions ("65536") or bytes ("12GB") slots share
     prefix_cache: str | None = None  # host memory for prefixes beyond the slots ("0": none)
     chat_template: Path | None = None  # a Jinja file used in place of the bundle's template
+    reasoning_parser: str = "auto"  # thoughts apart from answers: auto, think or none
 
     @property
     def served_model(self) -> str:
@@ -64,6 +66,11 @@ class ServeSettings:
             parse_size(self.kv_budget)
         self.prefix_bytes()
         self.template()
+        if self.reasoning_parser not in PARSERS:
+            raise SpecrtError(
+                f"--reasoning-parser must be one of {', '.join(PARSERS)}, "
+                f"got {self.reasoning_parser!r}"
+            )
 
     def template(self) -> str | None:
         """--chat-template's text, checked (None: the bundle's own)."""

@@ -35,8 +35,9 @@ class Job:
 
     headers: dict[str, str] = {}
 
-    def __init__(self, sequence: Sequence):
+    def __init__(self, sequence: Sequence, thinking: bool | None = None):
         self.sequence = sequence
+        self.thinking = thinking  # parsed for a thought, starting inside one (None: not)
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue[Event] = asyncio.Queue()
 

@@ -1,0 +1,82 @@
+"""Reasoning output: the model's thought, written between <think> and </think>, returned apart
+from its answer as `message.reasoning_content` (`delta.reasoning_content` when streamed), as
+vLLM, SGLang and llama-server return it.
+
+Two kinds of template lead there. Qwen3's lets the model open the thought itself (and with
+`chat_template_kwargs: {"enable_thinking": false}` writes an empty one into the prompt, so the
+answer comes straight away); DeepSeek-R1's distills end the prompt inside an opened thought, so
+the output starts as reasoning with no tag of its own. Which one a request is in is read from
+the end of its rendered prompt (`opens_thought`). Only the first thought is parsed: text after
+it is the answer, tags and all. The parse changes only how the text is shown: the tokens are
+the target's, exact under speculation like any other.
+"""
+
+from __future__ import annotations
+
+OPEN, CLOSE = "<think>", "</think>"
+PARSERS = ("auto", "think", "none")  # --reasoning-parser: auto parses where the template thinks
+
+
+def parses(parser: str, chat_template: str | None) -> bool:
+    """Whether outputs are parsed for a thought: `think` always, `none` never, `auto` where
+    the chat template writes the tags."""
+    return parser == "think" or (parser == "auto" and OPEN in (chat_template or ""))
+
+
+def opens_thought(prompt_tail: str) -> bool:
+    """Whether a prompt ending so leaves a thought open: its last <think> after its last
+    </think>."""
+    return prompt_tail.rfind(OPEN) > prompt_tail.rfind(CLOSE)
+
+
+class ThoughtStream:
+    """Streamed text split into reasoning and answer: text flows as it comes, but for a tail
+    that may begin the tag that switches between the two."""
+
+    def __init__(self, inside: bool):
+        self.inside = inside  # in the thought now
+        self.done = False  # the thought has closed: the rest is the answer
+        self.pending = ""
+        self._trim = False  # drop the whitespace between the thought and the answer
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, str]:
+        """(reasoning, answer) of the text fed so far that can be placed."""
+        self.pending += text
+        reasoning = answer = ""
+        while not self.done:
+            tag = CLOSE if self.inside else OPEN
+            at = self.pending.find(tag)
+            if at < 0:
+                break
+            if self.inside:
+                reasoning += self.pending[:at]
+                self.done, self._trim = True, True
+            else:
+                answer += self.pending[:at]
+            self.pending = self.pending[at + len(tag) :]
+            self.inside = not self.inside
+        hold = 0 if final or self.done else _partial(self.pending, CLOSE if self.inside else OPEN)
+        cut = len(self.pending) - hold
+        ready, self.pending = self.pending[:cut], self.pending[cut:]
+        if self.inside:
+            return reasoning + ready, answer
+        if self._trim:
+            ready = ready.lstrip()
+            self._trim = not ready
+        return reasoning, answer + ready
+
+
+def split(text: str, inside: bool) -> tuple[str | None, str]:
+    """A whole output's reasoning (None where it has no thought) and answer."""
+    stream = ThoughtStream(inside)
+    reasoning, answer = stream.feed(text, final=True)
+    thought = inside or stream.done or stream.inside
+    return (reasoning if thought else None), answer
+
+
+def _partial(text: str, tag: str) -> int:
+    """How much of text's end may begin the tag."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:size]):
+            return size
+    return 0

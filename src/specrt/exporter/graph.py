@@ -195,67 +195,72 @@ def write_graph(
     None; see projections.py). cache: the type keys and values are kept in (CACHE_TYPES)."""
     config = tensors.config
     shape = model_shape(config)
-    heads, kv, hd = shape.num_heads, shape.num_kv_heads, shape.head_dim
-    rep = heads // kv
-    eps = float(config.rms_norm_eps)
     projections = projections or FloatProjections()
     with open(out_dir / "model.onnx.data", "wb") as handle:
         family = family_of(config)
         family.check_capacity(capacity)
         b = _Builder(ExternalData(handle, "model.onnx.data"), tensors, projections, family)
         b.cache = CACHE_TYPES[cache]
-        # Shapes: S new tokens, T total (the longest row's past + new). Each row's token s sits
-        # at position_ids[b, s], which is also its cache index (rows have their own lengths).
-        ids_shape = b.op("Shape", "input_ids")
-        batch = b.batch = b.op("Slice", ids_shape, b.const([0]), b.const([1]))
-        seq = b.op("Slice", ids_shape, b.const([1]), b.const([2]))
-        total = b.op("Slice", b.op("Shape", "attention_mask"), b.const([1]), b.const([2]))
-        k_pos = b.op("Range", b.const(0), b.op("Squeeze", total, b.const([0])), b.const(1))
-
-        # Additive masks [B, 1, 1, S, T]: key t is seen by a token at position p when t <= p
-        # (its row's own prefix and its earlier new tokens) and the attention mask allows it;
-        # in a layer with a sliding window W, only when also t > p - W.
-        key_positions = b.op("Unsqueeze", k_pos, b.const([0, 1]))
-        causal = b.op("LessOrEqual", key_positions, b.op("Unsqueeze", "position_ids", b.const([2])))
-        keep = b.op("Cast", b.op("Unsqueeze", "attention_mask", b.const([1])), to=TensorProto.BOOL)
-        allowed = b.op("And", causal, keep)
+        attention, masks = _call_shapes(b, shape, float(config.rms_norm_eps))
         windows = family.windows()
-        masks = {
-            w: _additive_mask(b, allowed, key_positions, w) for w in sorted(set(windows), key=str)
-        }
-
-        # Where this call's keys/values go in the cache buffer: each token at its own position.
-        kv_shape = b.op("Concat", batch, b.const([kv]), seq, b.const([hd]), axis=0)
-        scatter_at = b.op("Expand", b.op("Unsqueeze", "position_ids", b.const([1, 3])), kv_shape)
-        grouped_scores = b.op("Concat", batch, b.const([kv, rep]), seq, total, axis=0)
-        flat_scores = b.op("Concat", batch, b.const([kv, -1]), total, axis=0)
-
         keys = [family.rope_key(i) for i in range(shape.num_layers)]
-        rotaries = {key: _rotary(b, config, capacity, key, hd) for key in dict.fromkeys(keys)}
-        attention = _Attention(scatter_at, total, grouped_scores, flat_scores, eps, rep)
-
+        rotaries = {k: _rotary(b, config, capacity, k, shape.head_dim) for k in dict.fromkeys(keys)}
         x, embed = projections.embedding(b, "model.embed_tokens.weight")
         if family.embed_scale() is not None:
             x = b.op("Mul", x, b.const(family.embed_scale(), np.float32))
         for i in range(shape.num_layers):
             x = _decoder_layer(b, x, i, shape, attention, rotaries[keys[i]], masks[windows[i]])
+        _head(b, x, embed, attention.eps)
+    _save(b, shape, out_dir / "model.onnx")
+    return shape
 
-        # Only the last `logits_to_keep` positions reach the norm and the vocabulary projection.
-        x = b.op(
-            "Slice",
-            x,
-            b.op("Neg", "logits_to_keep"),
-            b.const([np.iinfo(np.int64).max]),
-            b.const([1]),
-        )
-        x = _rms_norm(b, x, "model.norm", "norm", eps)
-        tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in tensors
-        head = "model.embed_tokens.weight" if tied else "lm_head.weight"
-        logits = _softcap(
-            b, projections.head(b, x, head, embed if tied else None), family.final_softcap()
-        )
-        b.op("Identity", logits, out="logits")
 
+def _call_shapes(b: _Builder, shape: ModelShape, eps: float) -> tuple[_Attention, dict]:
+    """What every layer's attention reads of the call: where its keys and values go, its
+    score shapes, and its additive masks by sliding window."""
+    kv, hd = shape.num_kv_heads, shape.head_dim
+    rep = shape.num_heads // kv
+    # Shapes: S new tokens, T total (the longest row's past + new). Each row's token s sits
+    # at position_ids[b, s], which is also its cache index (rows have their own lengths).
+    ids_shape = b.op("Shape", "input_ids")
+    batch = b.batch = b.op("Slice", ids_shape, b.const([0]), b.const([1]))
+    seq = b.op("Slice", ids_shape, b.const([1]), b.const([2]))
+    total = b.op("Slice", b.op("Shape", "attention_mask"), b.const([1]), b.const([2]))
+    k_pos = b.op("Range", b.const(0), b.op("Squeeze", total, b.const([0])), b.const(1))
+
+    # Additive masks [B, 1, 1, S, T]: key t is seen by a token at position p when t <= p
+    # (its row's own prefix and its earlier new tokens) and the attention mask allows it;
+    # in a layer with a sliding window W, only when also t > p - W.
+    key_positions = b.op("Unsqueeze", k_pos, b.const([0, 1]))
+    causal = b.op("LessOrEqual", key_positions, b.op("Unsqueeze", "position_ids", b.const([2])))
+    keep = b.op("Cast", b.op("Unsqueeze", "attention_mask", b.const([1])), to=TensorProto.BOOL)
+    allowed = b.op("And", causal, keep)
+    windows = sorted(set(b.family.windows()), key=str)
+    masks = {w: _additive_mask(b, allowed, key_positions, w) for w in windows}
+
+    # Where this call's keys/values go in the cache buffer: each token at its own position.
+    kv_shape = b.op("Concat", batch, b.const([kv]), seq, b.const([hd]), axis=0)
+    scatter_at = b.op("Expand", b.op("Unsqueeze", "position_ids", b.const([1, 3])), kv_shape)
+    grouped_scores = b.op("Concat", batch, b.const([kv, rep]), seq, total, axis=0)
+    flat_scores = b.op("Concat", batch, b.const([kv, -1]), total, axis=0)
+    return _Attention(scatter_at, total, grouped_scores, flat_scores, eps, rep), masks
+
+
+def _head(b: _Builder, x: str, embed, eps: float) -> None:
+    """The final norm and the vocabulary projection, for the last `logits_to_keep` positions
+    only (a prefill needs one)."""
+    x = b.op(
+        "Slice", x, b.op("Neg", "logits_to_keep"), b.const([np.iinfo(np.int64).max]), b.const([1])
+    )
+    x = _rms_norm(b, x, "model.norm", "norm", eps)
+    config, tensors = b.tensors.config, b.tensors
+    tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in tensors
+    head = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    logits = b.projections.head(b, x, head, embed if tied else None)
+    b.op("Identity", _softcap(b, logits, b.family.final_softcap()), out="logits")
+
+
+def _save(b: _Builder, shape: ModelShape, path: Path) -> None:
     graph = helper.make_graph(
         b.nodes,
         "specrt_decoder",
@@ -267,13 +272,9 @@ def write_graph(
     if any(node.domain == "com.microsoft" for node in b.nodes):
         opsets.append(helper.make_opsetid("com.microsoft", 1))
     proto = helper.make_model(
-        graph,
-        opset_imports=opsets,
-        ir_version=IR_VERSION,
-        producer_name="specrt",
+        graph, opset_imports=opsets, ir_version=IR_VERSION, producer_name="specrt"
     )
-    onnx.save_model(proto, str(out_dir / "model.onnx"))
-    return shape
+    onnx.save_model(proto, str(path))
 
 
 def _head_norm(b: _Builder, x: str, module: str, name: str, eps: float) -> str:

@@ -18,7 +18,8 @@ from specrt.bundle import Bundle
 from specrt.exporter.build import build_bundle
 from specrt.runtime.grammar import Grammars
 from specrt.serve import ServeSettings
-from specrt.serve.tools import CallStream, Tools, parse_calls
+from specrt.serve.tool_formats import HERMES, CallStream
+from specrt.serve.tools import Tools
 
 CONTEXT = 1024
 GREEDY = {"temperature": 0}
@@ -201,7 +202,7 @@ def test_only_required_calls_in_parallel_may_repeat(bundles):
         ("required", False, False),
         (named, True, False),
     ]:
-        lark = Tools([WEATHER, TIME], choice, parallel).structure(grammars).value
+        lark = Tools([WEATHER, TIME], choice, parallel).structure(grammars, HERMES).value
         assert lark.startswith(several) == repeats, (choice, parallel)
 
 
@@ -209,11 +210,11 @@ def test_tool_calls_are_parsed_from_text():
     """The pure parts: a call among prose, a tag in prose that is no call, a streamed call cut
     anywhere."""
     text = 'Sure.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
-    content, calls = parse_calls(text + "\n<tool_call>not json</tool_call>")
+    content, calls = HERMES.parse(text + "\n<tool_call>not json</tool_call>")
     assert content.startswith("Sure.") and "not json" in content
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"a": 1})]
     for cut in range(1, len(text)):
-        stream = CallStream()
+        stream = CallStream(HERMES)
         first, early = stream.feed(text[:cut])
         rest, late = stream.feed(text[cut:], final=True)
         assert first + rest == "Sure.\n" and [c.name for c in early + late] == ["f"]

@@ -83,6 +83,14 @@ from specrt.runtime.scheduler import PREFILL_CHUNK
     "to fix one).",
 )
 @click.option(
+    "--tool-parser",
+    type=click.Choice(["auto", "hermes", "mistral", "phi4_mini_json", "llama3_json"]),
+    default="auto",
+    show_default=True,
+    help="The format tool calls are parsed and enforced in (auto: the one the chat template "
+    "writes).",
+)
+@click.option(
     "--reasoning-parser",
     type=click.Choice(["auto", "think", "none"]),
     default="auto",
@@ -114,6 +122,7 @@ def serve(
     kv_budget,
     prefix_cache,
     chat_template,
+    tool_parser,
     reasoning_parser,
     log_level,
     on_ray,
@@ -150,6 +159,7 @@ def serve(
         prefix_cache=prefix_cache,
         chat_template=chat_template,
         reasoning_parser=reasoning_parser,
+        tool_parser=tool_parser,
     )
     ray = RayOptions(replicas=replicas, min_replicas=min_replicas, max_replicas=max_replicas)
     if not on_ray and (ray != RayOptions() or ray_address):

@@ -54,6 +54,7 @@ class TextTokenizer:
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
         self.chat_template = chat_template
+        self._kept: dict[int, str] = {}  # special tokens whose text decoding keeps (see keep)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
@@ -80,8 +81,26 @@ class TextTokenizer:
             return self.encode(text, add_special_tokens=False)
         return [int(t) for t in prompt]
 
+    def keep(self, markers: Sequence[str]) -> None:
+        """Keep these texts in decoded output where the vocabulary makes them special tokens
+        (Mistral's [TOOL_CALLS], Llama's <|python_tag|>): a tool-call parser reads them."""
+        for text in markers:
+            token = self.tokenizer.token_to_id(text)
+            if token is not None:
+                self._kept[token] = text
+
     def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        ids = list(ids)
+        if not self._kept or not any(i in self._kept for i in ids):
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+        parts, run = [], []
+        for i in ids:
+            if i in self._kept:
+                parts += [self.tokenizer.decode(run, skip_special_tokens=True), self._kept[i]]
+                run = []
+            else:
+                run.append(i)
+        return "".join([*parts, self.tokenizer.decode(run, skip_special_tokens=True)])
 
     def token_text(self, token: int) -> str:
         """One token's text, special tokens included (what a logprob entry names)."""

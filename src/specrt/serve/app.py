@@ -53,8 +53,8 @@ class Server:
         try:
             firsts = [await stream.next() for stream in streams]
             chat = isinstance(body, ChatRequest)
-            thinking = [stream.thinking for stream in streams]
-            writer = Writer(chat, self.settings.served_model, body.parses_tool_calls, thinking)
+            shapes = [stream.shape for stream in streams]
+            writer = Writer(chat, self.settings.served_model, shapes)
             headers = streams[0].headers
             if body.stream and not any(isinstance(first, Failed) for first in firsts):
                 streaming = True  # the stream owns the watcher from here

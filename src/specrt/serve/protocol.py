@@ -176,10 +176,6 @@ class _Request(BaseModel):
         """How many alternatives each token's log-probability comes with (None: not asked)."""
         return None
 
-    @property
-    def parses_tool_calls(self) -> bool:
-        return False
-
     def tool_plan(self, structure: Structure | None) -> Tools | None:
         """The request's tools, checked against the structure it asked for (None: no tools)."""
         return None
@@ -325,12 +321,6 @@ class ChatRequest(_Request):
 
     def logprobs_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
-
-    @property
-    def parses_tool_calls(self) -> bool:
-        """Whether the output is parsed for tool calls (`Tools.parses`, read without building
-        the plan again)."""
-        return bool(self.tools) and self.tool_choice != "none"
 
     def tool_plan(self, structure: Structure | None) -> Tools | None:
         if not self.tools:

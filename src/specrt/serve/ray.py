@@ -45,6 +45,7 @@ from specrt.serve.app import create_app
 from specrt.serve.errors import APIError
 from specrt.serve.events import Event, Failed, is_last
 from specrt.serve.metrics import Instrument, Metrics
+from specrt.serve.render import Shape
 from specrt.serve.service import Body, LocalService
 from specrt.serve.settings import RayOptions, ServeSettings
 
@@ -138,15 +139,15 @@ class EngineReplica:
             raise SpecrtError(f"{settings.bundle} could not be loaded: {self.service.load_error}")
 
     async def events(self, body: Body) -> AsyncIterator[tuple | Event]:
-        """The replica's id and whether the text is parsed for a thought (Job.thinking), then
-        the request's events. Cancelling the call (the client left) cancels the request."""
+        """The replica's id and how the text is parsed (Job.shape), then the request's
+        events. Cancelling the call (the client left) cancels the request."""
         try:
             (stream,) = await self.service.open(body)  # the ingress sends a choice a call
         except APIError as err:
-            yield self.replica, None
+            yield self.replica, Shape()
             yield Failed(err)
             return
-        yield self.replica, stream.thinking
+        yield self.replica, stream.shape
         try:
             while True:
                 event = await stream.next()
@@ -179,9 +180,9 @@ class RayStream:
     """A request's events from an engine replica; a replica that dies mid-request ends it
     with an explicit 503, never a hang."""
 
-    def __init__(self, events: DeploymentResponseGenerator, replica: str, thinking: bool | None):
+    def __init__(self, events: DeploymentResponseGenerator, replica: str, shape: Shape):
         self.events, self.headers = events, {REPLICA_HEADER: replica}
-        self.thinking = thinking
+        self.shape = shape
         self._ended = False
 
     async def next(self) -> Event:
@@ -243,13 +244,13 @@ class RayService:
     async def _open(self, body: Body) -> RayStream:
         events = self.engine.options(stream=True).events.remote(body)
         try:
-            replica, thinking = await events.__anext__()
+            replica, shape = await events.__anext__()
         except Exception as err:
             error = failure(err)
             if error.kind == "busy":
                 self.metrics.rejected.inc()
             raise error from err
-        return RayStream(events, replica, thinking)
+        return RayStream(events, replica, shape)
 
 
 def failure(err: Exception) -> APIError:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from specrt.runtime import Result, TokenLogprob
 from specrt.serve.reasoning import ThoughtStream, split
-from specrt.serve.tools import CallStream, ToolCall, parse_calls
+from specrt.serve.tool_formats import CallStream, ToolCall, ToolFormat
 
 # OpenAI's finish reasons; "timeout" and "cancelled" are specrt's own and pass as they are.
 FINISH_REASONS = {"eos": "stop", "context": "length"}
@@ -60,13 +60,23 @@ def finish_reason(result: Result) -> str:
     return FINISH_REASONS.get(result.finish_reason, result.finish_reason)
 
 
+@dataclass(frozen=True)
+class Shape:
+    """How a choice's text is parsed (decided with its prompt, see service.py): for a thought
+    (None: not), starting inside one or not (reasoning.py); for tool calls in a format (None:
+    not, tool_formats.py)."""
+
+    thinking: bool | None = None
+    tools: ToolFormat | None = None
+
+
 @dataclass
 class _Choice:
     """What the writer keeps of one choice while it streams."""
 
-    calls: CallStream | None  # where tools were given: the text's calls, whole
-    thinking: bool | None = None  # parsed for a thought (None: not), starting inside it
-    thought: ThoughtStream | None = None  # where parsed: the streamed text's thought
+    shape: Shape
+    calls: CallStream | None  # where tools are parsed: the text's calls, whole
+    thought: ThoughtStream | None = None  # where a thought is: the streamed text's
     sent_role: bool = False
     called: int = 0  # tool calls streamed so far
     offset: int = 0  # characters of completion text before the next logprob entry
@@ -80,21 +90,18 @@ class Writer:
     chunk, or the whole body. The request's one response object: its id, its clock and what
     each choice has streamed so far."""
 
-    def __init__(
-        self, chat: bool, model: str, tools: bool = False, thinking: list[bool | None] = (None,)
-    ):
-        """thinking: per choice, whether its text is parsed for a thought (None: not) and
-        whether it starts inside one (reasoning.py); its length is the request's n."""
+    def __init__(self, chat: bool, model: str, shapes: list[Shape] = (Shape(),)):
+        """shapes: how each choice's text is parsed; their number is the request's n."""
         self.chat, self.model = chat, model
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.choices = [
             _Choice(
-                CallStream() if tools else None,
-                inside,
-                None if inside is None or not chat else ThoughtStream(inside),
+                shape,
+                CallStream(shape.tools) if shape.tools and chat else None,
+                None if shape.thinking is None or not chat else ThoughtStream(shape.thinking),
             )
-            for inside in thinking
+            for shape in shapes
         ]
 
     @property
@@ -173,13 +180,13 @@ class Writer:
         finish = finish_reason(result)
         logprobs = self._logprobs(index, result.logprobs)
         if self.chat:
-            text, state = result.text, self.choices[index]
+            text, shape = result.text, self.choices[index].shape
             message: dict = {"role": "assistant", "content": text}
-            if state.thinking is not None:
-                message["reasoning_content"], text = split(text, state.thinking)
+            if shape.thinking is not None:
+                message["reasoning_content"], text = split(text, shape.thinking)
                 message["content"] = text or None
-            if state.calls is not None:
-                content, calls = parse_calls(text)
+            if shape.tools is not None:
+                content, calls = shape.tools.parse(text)
                 if calls:
                     message["content"] = content or None
                     message["tool_calls"] = [call.as_dict() for call in calls]

@@ -27,7 +27,9 @@ from specrt.serve.events import Event
 from specrt.serve.metrics import Metrics
 from specrt.serve.protocol import ChatRequest, CompletionRequest
 from specrt.serve.reasoning import opens_thought, parses
+from specrt.serve.render import Shape
 from specrt.serve.settings import ServeSettings
+from specrt.serve.tool_formats import ToolFormat, choose
 from specrt.serve.worker import Job, Worker
 
 log = logging.getLogger("specrt.serve")
@@ -40,7 +42,7 @@ class Stream(Protocol):
     `cancel` may be called at any time, also after the last event (then it does nothing)."""
 
     headers: dict[str, str]  # added to the response (which replica served it, under Ray)
-    thinking: bool | None  # its text is parsed for a thought (None: not), starting inside one
+    shape: Shape  # how its text is parsed (a thought, tool calls)
 
     async def next(self) -> Event: ...
     def cancel(self) -> None: ...
@@ -72,6 +74,7 @@ class LocalService:
         self.metrics = metrics or Metrics()
         self.runtime = runtime
         self.worker: Worker | None = None
+        self.tool_format: ToolFormat | None = None  # tool calls' format, once loaded
         self.load_error: str | None = None
 
     def start(self) -> None:
@@ -112,6 +115,9 @@ class LocalService:
         self.runtime = runtime
 
     def _worker(self, runtime: SpeculativeRuntime) -> Worker:
+        self.tool_format = choose(self.settings.tool_parser, runtime.tokenizer.chat_template)
+        if self.tool_format is not None:
+            runtime.tokenizer.keep(self.tool_format.markers)
         batch, spec = min(self.settings.max_batch, runtime.slots), self.settings.kv_budget
         engines = [runtime.target, runtime.draft]
         store = runtime.prompt_cache.store_bytes if runtime.prompt_cache else 0
@@ -167,17 +173,17 @@ class LocalService:
                 card["prefix_cache_bytes"] = self.runtime.prompt_cache.store_bytes
         return card
 
-    def sequences(self, body: Body) -> tuple[list[Sequence], bool | None]:
-        """The runtime's sequences for a request, one per choice, and whether their text is
-        parsed for a thought (tokenizes: call it off the event loop)."""
+    def sequences(self, body: Body) -> tuple[list[Sequence], Shape]:
+        """The runtime's sequences for a request, one per choice, and how their text is parsed
+        (tokenizes: call it off the event loop)."""
         runtime, limit = self.runtime, body.token_limit
         prompt_field = "messages" if isinstance(body, ChatRequest) else "prompt"
         options, asked = body.options(self.settings.controller, self.settings.drafter)
         try:
-            tools = body.tool_plan(options.structure)
+            tools, form = body.tool_plan(options.structure), self.tool_format
             if tools is not None:
-                tools.check_template(runtime.tokenizer.chat_template)
-                structure = tools.structure(runtime.grammars)
+                tools.check_format(form)
+                structure = tools.structure(runtime.grammars, form)
                 if structure is not None:
                     options, asked = replace(options, structure=structure), "tool_choice"
             rendered = tools.rendered if tools else None
@@ -193,7 +199,9 @@ class LocalService:
                 )
             maximum = min(limit or body.default_max_tokens or room, room)
             options = replace(options, max_new_tokens=maximum, timeout=self.settings.timeout)
-            return runtime.sequences(ids, options, body.n), self._thinking(body, options, ids)
+            parsed = form if tools is not None and tools.parses else None
+            shape = Shape(self._thinking(body, options, ids), parsed)
+            return runtime.sequences(ids, options, body.n), shape
         except SpecrtError as err:
             renames = {"structure": asked}
             raise APIError.from_specrt(err, prompt_field, renames) from err
@@ -213,8 +221,8 @@ class LocalService:
     async def open(self, body: Body) -> list[Job]:
         """A job per choice, queued together: if one cannot be (the queue is full), none stays."""
         _, worker = self.ready()
-        sequences, thinking = await run_in_threadpool(self.sequences, body)
-        jobs = [Job(sequence, thinking) for sequence in sequences]
+        sequences, shape = await run_in_threadpool(self.sequences, body)
+        jobs = [Job(sequence, shape) for sequence in sequences]
         try:
             for job in jobs:
                 worker.submit(job)

@@ -14,6 +14,7 @@ from specrt.runtime.prefix_store import default_capacity
 from specrt.runtime.scheduler import PREFILL_CHUNK
 from specrt.runtime.text import read_template
 from specrt.serve.reasoning import PARSERS
+from specrt.serve.tool_formats import PARSERS as TOOL_PARSERS
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class ServeSettings:
     prefix_cache: str | None = None  # host memory for prefixes beyond the slots ("0": none)
     chat_template: Path | None = None  # a Jinja file used in place of the bundle's template
     reasoning_parser: str = "auto"  # thoughts apart from answers: auto, think or none
+    tool_parser: str = "auto"  # the tool calls' format (tool_formats.PARSERS)
 
     @property
     def served_model(self) -> str:
@@ -66,6 +68,10 @@ class ServeSettings:
             parse_size(self.kv_budget)
         self.prefix_bytes()
         self.template()
+        if self.tool_parser not in TOOL_PARSERS:
+            raise SpecrtError(
+                f"--tool-parser must be one of {', '.join(TOOL_PARSERS)}, got {self.tool_parser!r}"
+            )
         if self.reasoning_parser not in PARSERS:
             raise SpecrtError(
                 f"--reasoning-parser must be one of {', '.join(PARSERS)}, "

@@ -2,48 +2,28 @@
 
 The request's tools go into the prompt through the chat template (the model was trained on that
 text); the output's calls are parsed back into OpenAI's `message.tool_calls` (whole, or one
-delta per call when streamed); `tool_choice: "required"` or a named function is enforced by a
-grammar that admits only calls, each call's arguments matching its function's JSON schema, so
-the constrained target decides what the call says and speculation keeps it exact. A second turn
-sends the calls back as an assistant message and the results as `tool` messages, and the
-template renders both.
-
-The format is Hermes', which Qwen2.5 and Qwen3 use: each call a JSON object {"name": ...,
-"arguments": {...}} between <tool_call> and </tool_call>. A template that does not write
-<tool_call> gets a 400 for tools: specrt does not guess another model's format.
+delta per call when streamed) in the bundle's format (tool_formats.py: Hermes', Mistral's,
+Phi-4-mini's, Llama 3's); `tool_choice: "required"` or a named function is enforced by a
+grammar that admits only calls in that format, each call's arguments matching its function's
+JSON schema, so the constrained target decides what the call says and speculation keeps it
+exact. A second turn sends the calls back as an assistant message and the results as `tool`
+messages, and the template renders both. A template that writes none of the formats gets a 400
+for tools unless `--tool-parser` names one: specrt does not guess another model's format.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from specrt.errors import SpecrtError
 from specrt.runtime import Structure
 from specrt.runtime.grammar import JSON_LAYOUT, Grammars
 from specrt.serve.errors import APIError
+from specrt.serve.tool_formats import FORMATS, ToolFormat
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
-CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
 NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-    id: str = ""
-
-    def as_dict(self, index: int | None = None) -> dict:
-        call = {
-            "id": self.id,
-            "type": "function",
-            "function": {"name": self.name, "arguments": self.arguments},
-        }
-        return call if index is None else {"index": index, **call}
 
 
 class Tools:
@@ -69,18 +49,22 @@ class Tools:
     def parses(self) -> bool:
         return self.choice != "none"
 
-    def check_template(self, chat_template: str | None) -> None:
-        if self.parses and OPEN not in (chat_template or ""):
+    def check_format(self, form: ToolFormat | None) -> None:
+        """Refuse tools where the bundle's template writes calls in no format specrt parses
+        (and --tool-parser names none)."""
+        if self.parses and form is None:
             raise APIError(
                 "invalid",
                 "this model's chat template does not write tool calls in a format specrt "
-                f"parses (Hermes: {OPEN} ... {CLOSE}, as Qwen2.5 and Qwen3 use)",
+                f"parses ({', '.join(FORMATS)}); if the model writes one of them, start the "
+                "server with --tool-parser NAME",
                 param="tools",
             )
 
-    def structure(self, grammars: Grammars) -> Structure | None:
-        """The grammar of a required or named call (None for auto and none). Each function's
-        parameters are compiled alone first, so a bad schema is named with its tool."""
+    def structure(self, grammars: Grammars, form: ToolFormat) -> Structure | None:
+        """The grammar of a required or named call in the bundle's format (None for auto and
+        none). Each function's parameters are compiled alone first, so a bad schema is named
+        with its tool."""
         if self.choice in ("auto", "none"):
             return None
         chosen = [f for f in self.functions if self.choice in ("required", f["name"])]
@@ -95,8 +79,8 @@ class Tools:
                 raise APIError("invalid", f"{param}: {err}", param=param) from err
             call = {
                 "type": "object",
-                "properties": {"name": {"const": function["name"]}, "arguments": parameters},
-                "required": ["name", "arguments"],
+                "properties": {"name": {"const": function["name"]}, form.arguments: parameters},
+                "required": ["name", form.arguments],
                 "additionalProperties": False,
                 "x-guidance": JSON_LAYOUT,
             }
@@ -105,12 +89,9 @@ class Tools:
         # calls as many as the model writes, one with parallel_tool_calls off. After the last
         # call the grammar admits only the end of the turn.
         several = self.parallel and self.choice == "required"
-        start = 'start: call ("\\n" call)*' if several else "start: call"
         alternatives = " | ".join(f"f{i}" for i in range(len(chosen)))
-        call = (
-            f'call: {grammars.literal(OPEN)} "\\n" ({alternatives}) "\\n" {grammars.literal(CLOSE)}'
-        )
-        return Structure("lark", "\n".join([start, call, *rules]))
+        calls = form.grammar(grammars.literal, alternatives, several)
+        return Structure("lark", "\n".join([*calls, *rules]))
 
 
 def _function(index: int, tool) -> dict:
@@ -153,71 +134,3 @@ def _choice(choice, names: list[str]) -> str:
             "invalid", f"tool_choice names {name!r}, which is not in tools", param="tool_choice"
         )
     return name
-
-
-def parse_calls(text: str) -> tuple[str, list[ToolCall]]:
-    """The text outside the calls and the calls, in order. A block that is not a JSON object
-    with a name stays in the text: a model may write the tags in prose."""
-    calls, kept, end = [], [], 0
-    for match in CALL.finditer(text):
-        call = _call(match.group(1))
-        if call is not None:
-            kept.append(text[end : match.start()])
-            calls.append(call)
-            end = match.end()
-    kept.append(text[end:])
-    return "".join(kept).strip(), calls
-
-
-def _call(body: str) -> ToolCall | None:
-    try:
-        data = json.loads(body)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
-        return None
-    arguments = data.get("arguments", data.get("parameters", {}))
-    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return ToolCall(data["name"], text, f"call_{uuid.uuid4().hex[:24]}")
-
-
-class CallStream:
-    """Streamed text split into content and whole calls: content flows as it comes, except
-    from an opening tag (or what may become one) until its call closes."""
-
-    def __init__(self):
-        self.pending = ""
-
-    def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
-        self.pending += text
-        content, calls = "", []
-        while True:
-            start = self.pending.find(OPEN)
-            if start < 0:
-                break
-            close = self.pending.find(CLOSE, start)
-            if close < 0:
-                break
-            end = close + len(CLOSE)
-            call = _call(self.pending[start + len(OPEN) : close].strip())
-            if call is None:
-                content += self.pending[:end]
-            else:
-                content += self.pending[:start]
-                calls.append(call)
-            self.pending = self.pending[end:]
-        hold = 0 if final else _held(self.pending)
-        content += self.pending[: len(self.pending) - hold]
-        self.pending = self.pending[len(self.pending) - hold :]
-        return content, calls
-
-
-def _held(text: str) -> int:
-    """How much of text's end must wait: an open call, or a tail that may begin a tag."""
-    start = text.find(OPEN)
-    if start >= 0:
-        return len(text) - start
-    for size in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if text.endswith(OPEN[:size]):
-            return size
-    return 0

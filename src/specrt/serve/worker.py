@@ -25,6 +25,7 @@ from specrt.runtime.budget import KVBudget
 from specrt.serve.errors import APIError
 from specrt.serve.events import Delta, Done, Event, Failed
 from specrt.serve.metrics import Metrics
+from specrt.serve.render import Shape
 
 log = logging.getLogger("specrt.serve")
 
@@ -35,9 +36,9 @@ class Job:
 
     headers: dict[str, str] = {}
 
-    def __init__(self, sequence: Sequence, thinking: bool | None = None):
+    def __init__(self, sequence: Sequence, shape: Shape | None = None):
         self.sequence = sequence
-        self.thinking = thinking  # parsed for a thought, starting inside one (None: not)
+        self.shape = shape or Shape()  # how its text is parsed (thought, tool calls)
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue[Event] = asyncio.Queue()
 

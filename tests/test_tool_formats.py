@@ -5,7 +5,8 @@ official client, identical with speculation on and off, and a second turn answer
 No Mistral, Phi or Llama tokenizer ships here: the tiny qwen2 model gets a template that writes
 each format as the family's documented template does (tools in the prompt, calls in the
 assistant turn, results after); the parsers were written for Mistral-7B-Instruct-v0.3 (and
-later Mistral instruct models), Phi-4-mini-instruct and Llama 3.1-3.3 Instruct."""
+later Mistral instruct models), Phi-4-mini-instruct, Llama 3.2's pythonic template and Llama
+3.1-3.3 Instruct."""
 
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ from tokenizers import Tokenizer
 
 from specrt.bundle import Bundle
 from specrt.exporter.build import build_bundle
+from specrt.runtime.grammar import Grammars
 from specrt.runtime.text import TextTokenizer
 from specrt.serve import ServeSettings
-from specrt.serve.tool_formats import FORMATS, LLAMA3, MISTRAL, CallStream, choose
+from specrt.serve.tool_formats import FORMATS, LLAMA3, MISTRAL, PYTHONIC, CallStream, choose
+from specrt.serve.tools import Tools
 
 TURNS = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
@@ -35,6 +38,14 @@ TEMPLATES = {  # each as its family's template writes calls, and the sign it is 
     + TURNS.replace("CALLS", "[TOOL_CALLS][" + LISTED.replace("KEY", "arguments") + "]"),
     "phi4_mini_json": TOOLS.replace("SIGN", "functools")
     + TURNS.replace("CALLS", "functools[" + LISTED.replace("KEY", "arguments") + "]"),
+    "pythonic": TOOLS.replace("SIGN", "[func_name1(params_name1=params_value1)]")
+    + TURNS.replace(
+        "CALLS",
+        "[{% for c in m.tool_calls %}{{ c.function.name }}("
+        "{% for k, v in c.function.arguments.items() %}{{ k }}={{ v | tojson }}"
+        "{% if not loop.last %}, {% endif %}{% endfor %})"
+        "{% if not loop.last %}, {% endif %}{% endfor %}]",
+    ),
     "llama3_json": TOOLS.replace("SIGN", "<|python_tag|>")
     + TURNS.replace("CALLS", LISTED.replace("KEY", "parameters").replace(", ", "; ")),
 }
@@ -79,12 +90,19 @@ TEXTS = {  # name: (output, content, calls)
     "llama3_prose": ('The value is {"a": 1}.', 'The value is {"a": 1}.', []),
     "llama3_no_call": ('{"a": 1}', '{"a": 1}', []),
     "mistral_broken": ("[TOOL_CALLS][{oops", "[TOOL_CALLS][{oops", []),
+    "pythonic": (
+        '[f(a=1, b="x", c=True, d=None), g(e=[1, 2], h={"k": false})]',
+        "",
+        [("f", {"a": 1, "b": "x", "c": True, "d": None}), ("g", {"e": [1, 2], "h": {"k": False}})],
+    ),
+    "pythonic_prose": ("[a list, not calls]", "[a list, not calls]", []),
 }
 
 
 @pytest.mark.parametrize("name", list(TEXTS))
 def test_calls_parse_the_same_whole_and_streamed_cut_anywhere(name):
-    form = MISTRAL if name.startswith("mistral") else FORMATS.get(name, LLAMA3)
+    prefix = name.split("_")[0]
+    form = FORMATS.get(name) or {"mistral": MISTRAL, "pythonic": PYTHONIC}.get(prefix, LLAMA3)
     text, content, calls = TEXTS[name]
     got = form.parse(text)
     assert (got[0], [(c.name, json.loads(c.arguments)) for c in got[1]]) == (content, calls)
@@ -148,8 +166,11 @@ def _chat(api, off=False, **options):
     [("required", None), ({"type": "function", "function": {"name": "get_time"}}, ["get_time"])],
 )
 def test_required_and_named_calls_in_each_format(server, choice, names):
+    """One call each (parallel calls off: a tiny greedy model repeats a call until max_tokens
+    where several are allowed; the grammar of several is compiled below)."""
     api, form = server
     options = {"tools": [WEATHER, ZONE], "tool_choice": choice, "max_tokens": 90}
+    options["parallel_tool_calls"] = False
     reply = _chat(api, **options)
     message = reply.choices[0].message
     assert reply.choices[0].finish_reason == "tool_calls", (form.name, message)
@@ -199,3 +220,14 @@ def test_a_template_without_a_format_is_a_400_unless_one_is_named(roomy, tmp_pat
     message = reply.choices[0].message
     assert message.tool_calls, message.content
     assert message.tool_calls[0].function.name == "get_weather"
+
+
+def test_every_format_compiles_its_grammars(roomy):
+    """required with parallel calls (several), and a named function (one), in each format."""
+    target = Bundle.load(roomy).role("target")
+    grammars = Grammars(target.folder / "tokenizer.json", target.dim("vocab_size"), [0])
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for form in FORMATS.values():
+        for choice, parallel in (("required", True), (named, True)):
+            structure = Tools([WEATHER, ZONE], choice, parallel).structure(grammars, form)
+            grammars.compile(structure)

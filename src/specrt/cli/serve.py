@@ -84,7 +84,7 @@ from specrt.runtime.scheduler import PREFILL_CHUNK
 )
 @click.option(
     "--tool-parser",
-    type=click.Choice(["auto", "hermes", "mistral", "phi4_mini_json", "llama3_json"]),
+    type=click.Choice(["auto", "hermes", "mistral", "phi4_mini_json", "pythonic", "llama3_json"]),
     default="auto",
     show_default=True,
     help="The format tool calls are parsed and enforced in (auto: the one the chat template "

@@ -5,6 +5,8 @@ one delta per call when streamed), and the grammar that writes a required or nam
   `<tool_call>\n{"name": .., "arguments": {..}}\n</tool_call>`;
 - mistral (Mistral's instruct models): `[TOOL_CALLS][{"name": .., "arguments": {..}}, ..]`;
 - phi4_mini_json (Phi-4-mini): `functools[{"name": .., "arguments": {..}}, ..]`;
+- pythonic (Llama 3.2 1B/3B's pythonic template, Llama 4, some Gemma fine-tunes): a Python
+  list of calls, `[get_weather(city="Oslo"), get_time(zone="CET")]`;
 - llama3_json (Llama 3.1-3.3 with custom tools): the whole answer a call,
   `{"name": .., "parameters": {..}}`, after `<|python_tag|>` or not, several joined by `; `.
 
@@ -16,10 +18,15 @@ as them stays the answer: a model may write the tags in prose.
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import uuid
 from dataclasses import dataclass
+
+from specrt.runtime.grammar import JSON_LAYOUT
+
+JSON_NAMES = {"true": True, "false": False, "null": None}
 
 
 @dataclass(frozen=True)
@@ -47,6 +54,7 @@ class ToolFormat:
     arguments: str  # a call's key for its arguments
     separator: str  # between calls, where several are written
     prefix: str = ""  # a marker the model may write before the calls (Llama's python tag)
+    opener: str = "{"  # where `start` is "": the character the calls begin with
 
     @property
     def markers(self) -> tuple[str, ...]:
@@ -69,7 +77,7 @@ class ToolFormat:
             at = text.find(self.start)
             return None if at < 0 else at
         stripped = text.lstrip()
-        if stripped.startswith(("{", self.prefix or "{")):
+        if stripped.startswith((self.opener, self.prefix or self.opener)):
             return len(text) - len(stripped)
         return None
 
@@ -111,6 +119,18 @@ class ToolFormat:
         )
         return ToolCall(data["name"], text, f"call_{uuid.uuid4().hex[:24]}")
 
+    def function_rules(self, i: int, name: str, parameters: dict) -> list[str]:
+        """The Lark rule `f{i}`: one call of this function in this format, its arguments
+        matching their schema."""
+        call = {
+            "type": "object",
+            "properties": {"name": {"const": name}, self.arguments: parameters},
+            "required": ["name", self.arguments],
+            "additionalProperties": False,
+            "x-guidance": JSON_LAYOUT,
+        }
+        return [f"f{i}: %json {json.dumps(call)}"]
+
     def grammar(self, literal, alternatives: str, several: bool) -> list[str]:
         """The Lark rules of the calls (`call` is one of `alternatives`, a function's rule):
         `start` writes one, or with `several` one or more. literal: how a marker is written
@@ -125,6 +145,48 @@ class ToolFormat:
         body = f'"[" {calls} "]"' if self.listed else calls
         head = f"{literal(self.start)} " if self.start else ""
         return [f"start: {head}{body}", f"call: {one}"]
+
+
+class Pythonic(ToolFormat):
+    """Calls as a Python list of function calls with keyword arguments. Values are read as
+    Python literals, and as JSON's where a grammar wrote them (true, false, null)."""
+
+    def _parse_body(self, body: str) -> list[ToolCall] | None:
+        try:
+            tree = ast.parse(body.strip(), mode="eval").body
+            calls = [self._pycall(node) for node in tree.elts] if isinstance(tree, ast.List) else []
+        except (SyntaxError, ValueError):
+            return None
+        return calls or None
+
+    def _pycall(self, node) -> ToolCall:
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+            raise ValueError("not a call with keyword arguments")
+        arguments = {k.arg: _literal(k.value) for k in node.keywords}
+        text = json.dumps(arguments, ensure_ascii=False)
+        return ToolCall(node.func.id, text, f"call_{uuid.uuid4().hex[:24]}")
+
+    def function_rules(self, i: int, name: str, parameters: dict) -> list[str]:
+        """`name(key=value, ...)` with the schema's required arguments in its order, each value
+        JSON of its property's schema (optional arguments are left out)."""
+        properties = parameters.get("properties") or {}
+        parts, rules = [json.dumps(f"{name}(")], []
+        for j, key in enumerate(parameters.get("required") or []):
+            schema = {**properties.get(key, {}), "x-guidance": JSON_LAYOUT}
+            rules.append(f"f{i}a{j}: %json {json.dumps(schema)}")
+            parts += [json.dumps((", " if j else "") + f"{key}="), f"f{i}a{j}"]
+        return [f"f{i}: {' '.join([*parts, json.dumps(')')])}", *rules]
+
+
+def _literal(node):
+    """A Python literal's value; JSON's true, false and null as Python's."""
+    if isinstance(node, ast.Name) and node.id in JSON_NAMES:
+        return JSON_NAMES[node.id]
+    if isinstance(node, ast.List):
+        return [_literal(e) for e in node.elts]
+    if isinstance(node, ast.Dict):
+        return {_literal(k): _literal(v) for k, v in zip(node.keys, node.values, strict=True)}
+    return ast.literal_eval(node)
 
 
 class CallStream:
@@ -159,7 +221,7 @@ class CallStream:
         if self.form.start:
             return _partial(self.pending, self.form.start)
         stripped = self.pending.lstrip()
-        maybe = not self.wrote and (self.form.prefix or "{").startswith(stripped)
+        maybe = not self.wrote and (self.form.prefix or self.form.opener).startswith(stripped)
         return len(self.pending) if maybe else 0
 
     def _blocks(self, final: bool) -> tuple[str, list[ToolCall]]:
@@ -210,7 +272,8 @@ LLAMA3 = ToolFormat(
     "llama3_json", ("<|python_tag|>", "ipython"), "", None, False, "parameters", "; ",
     prefix="<|python_tag|>",
 )  # fmt: skip
-FORMATS = {f.name: f for f in (HERMES, MISTRAL, PHI4_MINI, LLAMA3)}
+PYTHONIC = Pythonic("pythonic", ("[func_name1(",), "", None, True, "arguments", ", ", opener="[")
+FORMATS = {f.name: f for f in (HERMES, MISTRAL, PHI4_MINI, PYTHONIC, LLAMA3)}
 
 
 PARSERS = ("auto", *FORMATS)  # --tool-parser

@@ -13,13 +13,12 @@ for tools unless `--tool-parser` names one: specrt does not guess another model'
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Sequence
 
 from specrt.errors import SpecrtError
 from specrt.runtime import Structure
-from specrt.runtime.grammar import JSON_LAYOUT, Grammars
+from specrt.runtime.grammar import Grammars
 from specrt.serve.errors import APIError
 from specrt.serve.tool_formats import FORMATS, ToolFormat
 
@@ -77,14 +76,7 @@ class Tools:
                 index = self.functions.index(function)
                 param = f"tools[{index}].function.parameters"
                 raise APIError("invalid", f"{param}: {err}", param=param) from err
-            call = {
-                "type": "object",
-                "properties": {"name": {"const": function["name"]}, form.arguments: parameters},
-                "required": ["name", form.arguments],
-                "additionalProperties": False,
-                "x-guidance": JSON_LAYOUT,
-            }
-            rules.append(f"f{i}: %json {json.dumps(call)}")
+            rules += form.function_rules(i, function["name"], parameters)
         # A named function is called once (as OpenAI's and vLLM's named choice); `required`
         # calls as many as the model writes, one with parallel_tool_calls off. After the last
         # call the grammar admits only the end of the turn.

@@ -8,9 +8,13 @@ from __future__ import annotations
 import pytest
 from servers import client, serving, wait_healthy
 
+from specrt.bundle import Bundle
 from specrt.errors import SpecrtError
+from specrt.runtime import Structure
+from specrt.runtime.grammar import Grammars
+from specrt.runtime.text import TextTokenizer
 from specrt.serve import ServeSettings
-from specrt.serve.reasoning import ThoughtStream, opens_thought, split
+from specrt.serve.reasoning import ThoughtStream, after_thought, opens_thought, split
 
 # A Qwen3-like template: the generation prompt opens the thought (R1-style), or, with
 # enable_thinking false, writes an empty one so the answer comes at once (Qwen3's switch).
@@ -100,11 +104,41 @@ def test_a_bad_reasoning_parser_is_refused(bundles):
         ServeSettings(bundle=bundles["qwen2"], reasoning_parser="deepseek").check()
 
 
-def test_a_structured_answer_is_not_parsed_for_a_thought(servers):
-    """A response format constrains from the first token, so the output is the answer (the
-    grammar would not let a thought close), even where the prompt opened one."""
+def test_a_json_answer_is_constrained_after_a_free_thought(bundles):
+    """The grammar of a JSON answer after a thought: any text up to the first </think> (the
+    model opens it where the prompt did not), then only the schema; the control: the same
+    answer with no closed thought, or a wrong answer after it, is refused."""
+    target = Bundle.load(bundles["qwen2"]).role("target")
+    grammars = Grammars(target.folder / "tokenizer.json", target.dim("vocab_size"), [0])
+    tokenizer = TextTokenizer(target.folder, None)
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
+    structure = Structure("json_schema", schema)
+
+    def accepted(text: str, inside: bool) -> bool:
+        grammar = grammars.compile(after_thought(structure, inside, grammars.literal))
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return grammar.accepts(ids) == len(ids)
+
+    assert accepted('First {"b": 2}, then\nmore.</think>\n\n{"a": 1}', inside=True)
+    assert accepted('<think>plan</think>{"a": 1}', inside=False)
+    assert not accepted('<think>plan</think>{"b": 1}', inside=False)  # the answer is checked
+    assert not accepted('{"a": 1}', inside=False)  # no thought: the model must open one
+    assert not accepted('plan</think>{"a": 1}</think>{"a": 1}', inside=True)  # the first ends it
+
+
+def test_a_structured_request_thinks_first_the_same_with_speculation_off(servers):
+    """Served: the JSON grammar starts after the thought, so the output begins as reasoning
+    (the tiny model's thought may not end within max_tokens), identical with speculation
+    off."""
     parsed, _ = servers
-    reply = _chat(parsed, response_format={"type": "json_object"})
-    message = reply.choices[0].message
-    assert "reasoning_content" not in (message.model_extra or {})
-    assert message.content.lstrip().startswith("{")
+    options = {"response_format": {"type": "json_object"}}
+    message = _chat(parsed, **options).choices[0].message
+    off = _chat(parsed, extra_body={"speculation": "off"}, **options).choices[0].message
+    assert message.model_extra["reasoning_content"]
+    assert off.model_extra["reasoning_content"] == message.model_extra["reasoning_content"]
+    assert off.content == message.content

@@ -13,7 +13,13 @@ the target's, exact under speculation like any other.
 
 from __future__ import annotations
 
+import json
+
+from specrt.runtime import Structure
+from specrt.runtime.grammar import JSON_LAYOUT
+
 OPEN, CLOSE = "<think>", "</think>"
+JSON_KINDS = ("json_schema", "json_object")  # the structures a thought may precede
 PARSERS = ("auto", "think", "none")  # --reasoning-parser: auto parses where the template thinks
 
 
@@ -27,6 +33,23 @@ def opens_thought(prompt_tail: str) -> bool:
     """Whether a prompt ending so leaves a thought open: its last <think> after its last
     </think>."""
     return prompt_tail.rfind(OPEN) > prompt_tail.rfind(CLOSE)
+
+
+def after_thought(structure: Structure, inside: bool, literal) -> Structure:
+    """A JSON structure that starts once the thought has closed: free text up to the first
+    </think> (opened by the model where the prompt did not), the space after it, then the
+    answer, which alone must match the schema. literal: how <think> is written (a special
+    token by its id, see Grammars.literal)."""
+    schema = structure.value if structure.kind == "json_schema" else {"type": "object"}
+    opener = "" if inside else f"{literal(OPEN)} "
+    answer = {**schema, "x-guidance": JSON_LAYOUT}
+    rules = [
+        f"start: {opener}thought answer | {opener}thought SPACE answer",
+        "thought[lazy]: /(.|\\n)*<\\/think>/",
+        "SPACE: /[ \\n]+/",
+        f"answer: %json {json.dumps(answer)}",
+    ]
+    return Structure("lark", "\n".join(rules))
 
 
 class ThoughtStream:

@@ -26,7 +26,7 @@ from specrt.serve.errors import APIError
 from specrt.serve.events import Event
 from specrt.serve.metrics import Metrics
 from specrt.serve.protocol import ChatRequest, CompletionRequest
-from specrt.serve.reasoning import opens_thought, parses
+from specrt.serve.reasoning import JSON_KINDS, after_thought, opens_thought, parses
 from specrt.serve.render import Shape
 from specrt.serve.settings import ServeSettings
 from specrt.serve.tool_formats import ToolFormat, choose
@@ -200,23 +200,31 @@ class LocalService:
             maximum = min(limit or body.default_max_tokens or room, room)
             options = replace(options, max_new_tokens=maximum, timeout=self.settings.timeout)
             parsed = form if tools is not None and tools.parses else None
-            shape = Shape(self._thinking(body, options, ids), parsed)
+            thinking, options = self._thinking(body, options, ids, asked == "tool_choice")
+            shape = Shape(thinking, parsed)
             return runtime.sequences(ids, options, body.n), shape
         except SpecrtError as err:
             renames = {"structure": asked}
             raise APIError.from_specrt(err, prompt_field, renames) from err
 
-    def _thinking(self, body: Body, options, ids: list[int]) -> bool | None:
-        """Whether a chat request's output is parsed for a thought (--reasoning-parser), and
-        whether its prompt left one open. Not where a structure constrains the output: the
-        grammar starts at the first token, so the output is the answer."""
-        tokenizer = self.runtime.tokenizer
-        parser = self.settings.reasoning_parser
-        if not isinstance(body, ChatRequest) or options.structure is not None:
-            return None
-        if not parses(parser, tokenizer.chat_template):
-            return None
-        return opens_thought("".join(map(tokenizer.token_text, ids[-32:])))
+    def _thinking(self, body: Body, options, ids: list[int], tool_call: bool) -> tuple:
+        """Whether a chat request's output is parsed for a thought (--reasoning-parser) and
+        whether its prompt left one open (None: not parsed), and its options: a JSON
+        structure then starts after the thought (reasoning.after_thought). Other structures
+        (a required tool call, a regex, a grammar) start at the first token: the output is
+        the answer, not parsed."""
+        tokenizer, structure = self.runtime.tokenizer, options.structure
+        if not isinstance(body, ChatRequest):
+            return None, options
+        if not parses(self.settings.reasoning_parser, tokenizer.chat_template):
+            return None, options
+        inside = opens_thought("".join(map(tokenizer.token_text, ids[-32:])))
+        if structure is None:
+            return inside, options
+        if tool_call or structure.kind not in JSON_KINDS:
+            return None, options
+        wrapped = after_thought(structure, inside, self.runtime.grammars.literal)
+        return inside, replace(options, structure=wrapped)
 
     async def open(self, body: Body) -> list[Job]:
         """A job per choice, queued together: if one cannot be (the queue is full), none stays."""

@@ -14,7 +14,13 @@ from specrt.runtime import Structure
 from specrt.runtime.grammar import Grammars
 from specrt.runtime.text import TextTokenizer
 from specrt.serve import ServeSettings
-from specrt.serve.reasoning import ThoughtStream, after_thought, opens_thought, split
+from specrt.serve.reasoning import (
+    ThoughtStream,
+    after_thought,
+    closes_thought,
+    opens_thought,
+    split,
+)
 
 # A Qwen3-like template: the generation prompt opens the thought (R1-style), or, with
 # enable_thinking false, writes an empty one so the answer comes at once (Qwen3's switch).
@@ -47,10 +53,13 @@ def test_a_thought_splits_the_same_whole_and_streamed_cut_anywhere(text, inside,
         assert "".join(a for _, a in parts) == want[1], cut
 
 
-def test_a_prompt_that_ends_in_an_open_thought():
+def test_a_prompt_that_ends_in_an_open_or_a_closed_thought():
     assert opens_thought("<|im_start|>assistant\n<think>\n")
     assert not opens_thought("<think>\n\n</think>\n\n")
     assert not opens_thought("<|im_start|>assistant\n")
+    assert closes_thought("<think>\n\n</think>\n\n")
+    assert not closes_thought("<|im_start|>assistant\n<think>\n")
+    assert not closes_thought("<|im_start|>assistant\n")
 
 
 @pytest.fixture(scope="module")
@@ -142,3 +151,21 @@ def test_a_structured_request_thinks_first_the_same_with_speculation_off(servers
     assert message.model_extra["reasoning_content"]
     assert off.model_extra["reasoning_content"] == message.model_extra["reasoning_content"]
     assert off.content == message.content
+
+
+def test_with_thinking_off_a_structured_answer_comes_at_once(servers):
+    """The prompt closed the thought (enable_thinking false): the JSON grammar starts at the
+    first token, and the answer is the content."""
+    parsed, _ = servers
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    reply = parsed.chat.completions.create(
+        model="tiny",
+        messages=ASK,
+        temperature=0,
+        max_tokens=80,
+        response_format={"type": "json_object"},
+        extra_body=off,
+    )
+    message = reply.choices[0].message
+    assert "reasoning_content" not in (message.model_extra or {})
+    assert message.content.lstrip().startswith("{")

@@ -35,6 +35,12 @@ def opens_thought(prompt_tail: str) -> bool:
     return prompt_tail.rfind(OPEN) > prompt_tail.rfind(CLOSE)
 
 
+def closes_thought(prompt_tail: str) -> bool:
+    """Whether a prompt ending so has closed a thought for the model (Qwen3's template with
+    enable_thinking false writes an empty one): the answer comes without one."""
+    return prompt_tail.rfind(CLOSE) > prompt_tail.rfind(OPEN) >= 0
+
+
 def after_thought(structure: Structure, inside: bool, literal) -> Structure:
     """A JSON structure that starts once the thought has closed: free text up to the first
     </think> (opened by the model where the prompt did not), the space after it, then the

@@ -26,7 +26,13 @@ from specrt.serve.errors import APIError
 from specrt.serve.events import Event
 from specrt.serve.metrics import Metrics
 from specrt.serve.protocol import ChatRequest, CompletionRequest
-from specrt.serve.reasoning import JSON_KINDS, after_thought, opens_thought, parses
+from specrt.serve.reasoning import (
+    JSON_KINDS,
+    after_thought,
+    closes_thought,
+    opens_thought,
+    parses,
+)
 from specrt.serve.render import Shape
 from specrt.serve.settings import ServeSettings
 from specrt.serve.tool_formats import ToolFormat, choose
@@ -211,17 +217,19 @@ class LocalService:
         """Whether a chat request's output is parsed for a thought (--reasoning-parser) and
         whether its prompt left one open (None: not parsed), and its options: a JSON
         structure then starts after the thought (reasoning.after_thought). Other structures
-        (a required tool call, a regex, a grammar) start at the first token: the output is
-        the answer, not parsed."""
+        (a required tool call, a regex, a grammar), and any after a prompt that closed the
+        thought itself (thinking switched off), start at the first token: the output is the
+        answer, not parsed."""
         tokenizer, structure = self.runtime.tokenizer, options.structure
         if not isinstance(body, ChatRequest):
             return None, options
         if not parses(self.settings.reasoning_parser, tokenizer.chat_template):
             return None, options
-        inside = opens_thought("".join(map(tokenizer.token_text, ids[-32:])))
+        tail = "".join(map(tokenizer.token_text, ids[-32:]))
+        inside = opens_thought(tail)
         if structure is None:
             return inside, options
-        if tool_call or structure.kind not in JSON_KINDS:
+        if tool_call or structure.kind not in JSON_KINDS or closes_thought(tail):
             return None, options
         wrapped = after_thought(structure, inside, self.runtime.grammars.literal)
         return inside, replace(options, structure=wrapped)

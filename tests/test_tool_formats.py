@@ -19,6 +19,7 @@ from tokenizers import Tokenizer
 
 from specrt.bundle import Bundle
 from specrt.exporter.build import build_bundle
+from specrt.exporter.tiny import make_tiny_pair
 from specrt.runtime.grammar import Grammars
 from specrt.runtime.text import TextTokenizer
 from specrt.serve import ServeSettings
@@ -231,3 +232,28 @@ def test_every_format_compiles_its_grammars(roomy):
         for choice, parallel in (("required", True), (named, True)):
             structure = Tools([WEATHER, ZONE], choice, parallel).structure(grammars, form)
             grammars.compile(structure)
+
+
+def test_a_marker_that_is_a_special_token_works_end_to_end(tmp_path):
+    """Mistral's vocabulary makes [TOOL_CALLS] a special token: the grammar writes it as that
+    token, decoding keeps it, and the calls are parsed (a tiny pair whose tokenizer has it)."""
+    draft, target = make_tiny_pair(tmp_path / "pair", "qwen2", special_tokens=("[TOOL_CALLS]",))
+    quiet = lambda _: None  # noqa: E731
+    bundle = build_bundle(str(draft), str(target), tmp_path / "b", max_context=512, log=quiet)
+    folder = Bundle.load(bundle).role("target").folder
+    marker = Tokenizer.from_file(str(folder / "tokenizer.json")).token_to_id("[TOOL_CALLS]")
+    path = tmp_path / "mistral.jinja"
+    path.write_text(TEMPLATES["mistral"])
+    settings = ServeSettings(bundle=bundle, model_name="tiny", calibrate=False, chat_template=path)
+    options = {"tools": [WEATHER], "tool_choice": "required", "max_tokens": 90}
+    with serving(settings) as (base, app):
+        wait_healthy(base)
+        reply = _chat(client(base), parallel_tool_calls=False, logprobs=True, **options)
+    message = reply.choices[0].message
+    assert reply.choices[0].logprobs.content[0].token == "[TOOL_CALLS]"  # one token: the marker
+    assert reply.choices[0].finish_reason == "tool_calls", message
+    assert [c.function.name for c in message.tool_calls] == ["get_weather"]
+    tokenizer = app.state.service.runtime.tokenizer
+    ids = tokenizer.encode("[TOOL_CALLS][", add_special_tokens=False)
+    assert ids[0] == marker and tokenizer.decode(ids) == "[TOOL_CALLS]["  # kept
+    assert TextTokenizer(folder, None).decode(ids) == "["  # the control: dropped without keep

@@ -95,11 +95,14 @@ def make_tiny_pair(
     seed: int = 0,
     vocab_size: int | None = None,
     layers: tuple[int, int] = (2, 4),
+    special_tokens: tuple[str, ...] = (),
 ):
     """Write `draft/` and `target/` HF folders (layers: draft, target) under out_dir.
 
     vocab_size, when given, skips the tokenizer and builds models over that many token ids: the
     statistical tests need a vocabulary small enough to enumerate exact distributions.
+    special_tokens: more special tokens for the tokenizer, as a family's vocabulary has them
+    (Mistral's [TOOL_CALLS]).
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -107,6 +110,7 @@ def make_tiny_pair(
     out = Path(out_dir)
     tokenizer = None if vocab_size else train_tokenizer()
     if tokenizer is not None:
+        tokenizer.add_special_tokens({"additional_special_tokens": list(special_tokens)})
         vocab_size = len(tokenizer)
         eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>")]
     else:

@@ -65,13 +65,13 @@ class ToolFormat:
         """The text outside the calls and the calls, in order."""
         if self.end is not None:
             return self._parse_blocks(text)
-        at = self._calls_at(text)
+        at = self.calls_at(text)
         if at is None:
             return text, []
         calls = self._parse_body(text[at:])
         return (text, []) if calls is None else (text[:at].strip(), calls)
 
-    def _calls_at(self, text: str) -> int | None:
+    def calls_at(self, text: str) -> int | None:
         """Where the calls begin in text, if anywhere."""
         if self.start:
             at = text.find(self.start)
@@ -205,7 +205,7 @@ class CallStream:
             return self._blocks(final)
         content = ""
         if not self.holding:
-            at = None if self.wrote and not self.form.start else self.form._calls_at(self.pending)
+            at = None if self.wrote and not self.form.start else self.form.calls_at(self.pending)
             cut = at if at is not None else len(self.pending) - (0 if final else self._tail())
             content, self.pending = self.pending[:cut], self.pending[cut:]
             self.holding = at is not None

@@ -17,6 +17,7 @@ import json
 
 from specrt.runtime import Structure
 from specrt.runtime.grammar import JSON_LAYOUT
+from specrt.runtime.stops import partial_stop
 
 OPEN, CLOSE = "<think>", "</think>"
 JSON_KINDS = ("json_schema", "json_object")  # the structures a thought may precede
@@ -84,7 +85,11 @@ class ThoughtStream:
                 answer += self.pending[:at]
             self.pending = self.pending[at + len(tag) :]
             self.inside = not self.inside
-        hold = 0 if final or self.done else _partial(self.pending, CLOSE if self.inside else OPEN)
+        hold = (
+            0
+            if final or self.done
+            else partial_stop(self.pending, [CLOSE if self.inside else OPEN])
+        )
         cut = len(self.pending) - hold
         ready, self.pending = self.pending[:cut], self.pending[cut:]
         if self.inside:
@@ -101,11 +106,3 @@ def split(text: str, inside: bool) -> tuple[str | None, str]:
     reasoning, answer = stream.feed(text, final=True)
     thought = inside or stream.done or stream.inside
     return (reasoning if thought else None), answer
-
-
-def _partial(text: str, tag: str) -> int:
-    """How much of text's end may begin the tag."""
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:size]):
-            return size
-    return 0

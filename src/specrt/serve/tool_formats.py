@@ -25,6 +25,7 @@ import uuid
 from dataclasses import dataclass
 
 from specrt.runtime.grammar import JSON_LAYOUT
+from specrt.runtime.stops import partial_stop
 
 JSON_NAMES = {"true": True, "false": False, "null": None}
 
@@ -163,8 +164,7 @@ class Pythonic(ToolFormat):
         if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
             raise ValueError("not a call with keyword arguments")
         arguments = {k.arg: _literal(k.value) for k in node.keywords}
-        text = json.dumps(arguments, ensure_ascii=False)
-        return ToolCall(node.func.id, text, f"call_{uuid.uuid4().hex[:24]}")
+        return self._call({"name": node.func.id, "arguments": arguments})
 
     def function_rules(self, i: int, name: str, parameters: dict) -> list[str]:
         """`name(key=value, ...)` with the schema's required arguments in its order, each value
@@ -219,7 +219,7 @@ class CallStream:
     def _tail(self) -> int:
         """How much of the pending text may still begin the calls."""
         if self.form.start:
-            return _partial(self.pending, self.form.start)
+            return partial_stop(self.pending, [self.form.start])
         stripped = self.pending.lstrip()
         maybe = not self.wrote and (self.form.prefix or self.form.opener).startswith(stripped)
         return len(self.pending) if maybe else 0
@@ -234,18 +234,16 @@ class CallStream:
             calls += [call] if call is not None else []
             self.pending = self.pending[stop:]
         at = self.pending.find(start)
-        hold = 0 if final else len(self.pending) - at if at >= 0 else _partial(self.pending, start)
+        hold = (
+            0
+            if final
+            else len(self.pending) - at
+            if at >= 0
+            else partial_stop(self.pending, [start])
+        )
         content += self.pending[: len(self.pending) - hold]
         self.pending = self.pending[len(self.pending) - hold :]
         return content, calls
-
-
-def _partial(text: str, tag: str) -> int:
-    """How much of text's end may begin the tag."""
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:size]):
-            return size
-    return 0
 
 
 def _objects(body: str, separator: str) -> list:

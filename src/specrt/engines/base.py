@@ -143,9 +143,6 @@ class BufferCache:
         check_slot(self, slot)
         self._lengths[slot] = min(self._lengths[slot], keep)
 
-    def read_positions(self, slot: int, start: int, end: int) -> np.ndarray | None:
-        return None  # a device buffer: no host copy to keep (see OrtEngine)
-
 
 class OneSlot:
     """For engines that hold one sequence: a batched call can only be that one row."""

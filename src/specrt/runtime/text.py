@@ -83,10 +83,12 @@ class TextTokenizer:
 
     def keep(self, markers: Sequence[str]) -> None:
         """Keep these texts in decoded output where the vocabulary makes them special tokens
-        (Mistral's [TOOL_CALLS], Llama's <|python_tag|>): a tool-call parser reads them."""
+        (Mistral's [TOOL_CALLS], Llama's <|python_tag|>): a tool-call parser reads them. A
+        marker that is no special token decodes as itself already, and costs decode nothing."""
+        added = self.tokenizer.get_added_tokens_decoder()
         for text in markers:
             token = self.tokenizer.token_to_id(text)
-            if token is not None:
+            if token in added and added[token].special:
                 self._kept[token] = text
 
     def decode(self, ids: Sequence[int]) -> str:

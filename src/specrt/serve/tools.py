@@ -3,12 +3,13 @@
 The request's tools go into the prompt through the chat template (the model was trained on that
 text); the output's calls are parsed back into OpenAI's `message.tool_calls` (whole, or one
 delta per call when streamed) in the bundle's format (tool_formats.py: Hermes', Mistral's,
-Phi-4-mini's, Llama 3's); `tool_choice: "required"` or a named function is enforced by a
-grammar that admits only calls in that format, each call's arguments matching its function's
-JSON schema, so the constrained target decides what the call says and speculation keeps it
-exact. A second turn sends the calls back as an assistant message and the results as `tool`
-messages, and the template renders both. A template that writes none of the formats gets a 400
-for tools unless `--tool-parser` names one: specrt does not guess another model's format.
+Phi-4-mini's, the pythonic list, Llama 3's); `tool_choice: "required"` or a named function is
+enforced by a grammar that admits only calls in that format, each call's arguments matching
+its function's JSON schema, so the constrained target decides what the call says and
+speculation keeps it exact. A second turn sends the calls back as an assistant message and the
+results as `tool` messages, and the template renders both. A template that writes none of the
+formats gets a 400 for tools unless `--tool-parser` names one: specrt does not guess another
+model's format.
 """
 
 from __future__ import annotations

@@ -95,17 +95,19 @@ def engines(tmp_path_factory):
     }
 
 
-def exact_distribution(target: OrtEngine, params: SamplingParams, process=None) -> np.ndarray:
+def exact_distribution(
+    target: OrtEngine, params: SamplingParams, process=None, prompt=PROMPT
+) -> np.ndarray:
     """P(t1..t4 | prompt) for every one of the 8^4 sequences, by the chain rule; process(logits,
     output so far) is what a constrained request does to the target's logits."""
     process = process or (lambda logits, output: logits)
     target.reset()
-    first = probabilities(process(target.forward(PROMPT, last=1)[0], ()), params)
+    first = probabilities(process(target.forward(prompt, last=1)[0], ()), params)
     joint = np.zeros([VOCAB] * NEW)
     for prefix in itertools.product(range(VOCAB), repeat=NEW - 1):
         if not first[prefix[0]]:
             continue  # a first token that never occurs (a constraint forbids it)
-        target.rollback(len(PROMPT))
+        target.rollback(len(prompt))
         logits = target.forward(list(prefix))
         rows = [probabilities(process(logits[i], prefix[: i + 1]), params) for i in range(NEW - 1)]
         chain = first[prefix[0]] * np.prod([rows[i][prefix[i + 1]] for i in range(NEW - 2)])
@@ -125,7 +127,14 @@ def _sequence(prompt, params, new, rng, policy, drafter, slot, constraints=None)
 
 
 def sample_counts(
-    drafter, target, params, controller_factory, seed=0, neighbour=None, constrain=None
+    drafter,
+    target,
+    params,
+    controller_factory,
+    seed=0,
+    neighbour=None,
+    constrain=None,
+    prompt=PROMPT,
 ):
     """Histogram of SAMPLES speculative 4-token outputs, and the draft's acceptance rate.
 
@@ -139,7 +148,7 @@ def sample_counts(
     for _ in range(SAMPLES):
         constraints = constrain() if constrain else None
         source = ConstrainedDrafter(drafter, constraints) if constraints else drafter
-        request = _sequence(PROMPT, params, NEW, rng, controller_factory(), source, 1, constraints)
+        request = _sequence(prompt, params, NEW, rng, controller_factory(), source, 1, constraints)
         batch = [request] if neighbour is None else [neighbour(rng), request]
         for r in batch:
             start(r, target)
@@ -149,7 +158,7 @@ def sample_counts(
             if request in live:
                 drafted += step.drafted[live.index(request)]
                 accepted += step.accepted[live.index(request)]
-        counts[int(np.dot(request.tokens[len(PROMPT) :][:NEW], weights))] += 1
+        counts[int(np.dot(request.tokens[len(prompt) :][:NEW], weights))] += 1
     return counts, accepted / drafted
 
 
@@ -188,6 +197,21 @@ def test_a_draft_with_other_logit_padding_stays_lossless(engines, draft):
         ModelDrafter(engines[draft], ids=VOCAB), engines["target"], params, lambda: Fixed(2)
     )
     assert chi_square_p(counts, exact) > 1e-3 and acceptance_rate > 0.3
+
+
+def test_a_windowed_draft_stays_lossless(engines):
+    """A draft that reads only the prompt's first SINKS tokens and its last one (a window of
+    5 over 9) proposes from another distribution, which is its q all the same."""
+    params, prompt = PARAMS["temperature"], [1, 5, 3, 2, 6, 4, 7, 1, 2]
+    exact = exact_distribution(engines["target"], params, prompt=prompt)
+    counts, acceptance_rate = sample_counts(
+        ModelDrafter(engines["good"], window=5),
+        engines["target"],
+        params,
+        lambda: Fixed(2),
+        prompt=prompt,
+    )
+    assert chi_square_p(counts, exact) > 1e-3 and 0.3 < acceptance_rate < 0.95
 
 
 def test_adaptive_early_stopping_stays_lossless(engines):

@@ -9,7 +9,7 @@ import click
 
 from specrt.cli.common import log as _log
 from specrt.engines import BACKENDS
-from specrt.runtime.drafters import DRAFTERS
+from specrt.runtime.drafters import DRAFT_WINDOW, DRAFTERS
 
 
 def _structure(json_schema: Path | None, grammar: Path | None, regex: str | None):
@@ -54,6 +54,13 @@ def _structure(json_schema: Path | None, grammar: Path | None, regex: str | None
     help="onnxruntime (CPU), onnxruntime-cuda, onnxruntime-tensorrt, tensorrt or torch.",
 )
 @click.option("--threads", type=int, default=None, help="Intra-op threads (default: all cores).")
+@click.option(
+    "--draft-window",
+    default=DRAFT_WINDOW,
+    show_default=True,
+    help="The most prompt tokens the draft model reads, the prompt's first 4 and its last "
+    "ones (0: the whole prompt); outputs do not change.",
+)
 @click.option("--stream", is_flag=True, help="Print text as it is generated.")
 @click.option("--stats", is_flag=True, help="Print speed and acceptance statistics.")
 @click.option("--json", "as_json", is_flag=True, help="Print text, ids and stats as JSON.")
@@ -82,6 +89,7 @@ def generate(
     no_speculation,
     backend,
     threads,
+    draft_window,
     stream,
     stats,
     as_json,
@@ -97,7 +105,12 @@ def generate(
     from specrt.tools.display import LEGEND, accepted_text, format_stats, json_result
 
     runtime = SpeculativeRuntime.load(
-        bundle, backend=backend, controller=controller, drafter=drafter, threads=threads
+        bundle,
+        backend=backend,
+        controller=controller,
+        drafter=drafter,
+        threads=threads,
+        draft_window=draft_window or None,
     )
     request = [{"role": "user", "content": prompt}] if chat else prompt
     generation = runtime.stream(

@@ -9,7 +9,7 @@ import click
 from specrt.cli.common import log as _log
 from specrt.engines import BACKENDS
 from specrt.errors import SpecrtError
-from specrt.runtime.drafters import DRAFTERS
+from specrt.runtime.drafters import DRAFT_WINDOW, DRAFTERS
 from specrt.runtime.scheduler import PREFILL_CHUNK
 
 
@@ -62,6 +62,14 @@ from specrt.runtime.scheduler import PREFILL_CHUNK
     "requests one chunk at most (0: each prompt whole).",
 )
 @click.option(
+    "--draft-window",
+    default=DRAFT_WINDOW,
+    show_default=True,
+    help="The most prompt tokens the draft model reads: the prompt's first 4 and its last "
+    "ones, so drafting after a long prompt costs what it costs after a short one (0: the "
+    "whole prompt). Outputs do not change: the target verifies every draft.",
+)
+@click.option(
     "--kv-budget",
     default=None,
     help="Cache positions the slots may hold at once, shared (65536), or a size (12GB): a "
@@ -104,33 +112,7 @@ from specrt.runtime.scheduler import PREFILL_CHUNK
 @click.option("--min-replicas", type=int, help="--ray: autoscale between this many...")
 @click.option("--max-replicas", type=int, help="...and this many, on ongoing requests.")
 @click.option("--ray-address", help="--ray: join this cluster (auto, ray://...) [default: local].")
-def serve(
-    bundle,
-    host,
-    port,
-    max_batch,
-    max_queue,
-    timeout,
-    controller,
-    drafter,
-    api_key,
-    model_name,
-    backend,
-    threads,
-    prompt_cache,
-    prefill_chunk,
-    kv_budget,
-    prefix_cache,
-    chat_template,
-    tool_parser,
-    reasoning_parser,
-    log_level,
-    on_ray,
-    replicas,
-    min_replicas,
-    max_replicas,
-    ray_address,
-):
+def serve(on_ray, replicas, min_replicas, max_replicas, ray_address, log_level, **options):
     """Serve BUNDLE over an OpenAI-compatible HTTP API (needs the serve extra); with --ray, as
     engine replicas on Ray Serve behind the same API (docs/ray.md)."""
     try:
@@ -140,27 +122,9 @@ def serve(
         raise SpecrtError(
             f"specrt serve needs the serve extra: pip install 'specrt[serve]' ({err})"
         ) from err
-    settings = ServeSettings(
-        bundle=bundle,
-        host=host,
-        port=port,
-        max_batch=max_batch,
-        max_queue=max_queue,
-        timeout=timeout or None,
-        controller=controller,
-        drafter=drafter,
-        api_key=api_key or None,
-        model_name=model_name,
-        backend=backend,
-        threads=threads,
-        prompt_cache=prompt_cache,
-        prefill_chunk=prefill_chunk,
-        kv_budget=kv_budget,
-        prefix_cache=prefix_cache,
-        chat_template=chat_template,
-        reasoning_parser=reasoning_parser,
-        tool_parser=tool_parser,
-    )
+    options["timeout"] = options["timeout"] or None  # 0: none
+    options["api_key"] = options["api_key"] or None
+    settings = ServeSettings(**options)
     ray = RayOptions(replicas=replicas, min_replicas=min_replicas, max_replicas=max_replicas)
     if not on_ray and (ray != RayOptions() or ray_address):
         raise SpecrtError("--replicas, --min-replicas, --max-replicas and --ray-address need --ray")

@@ -25,7 +25,7 @@ from specrt.errors import SpecrtError
 from specrt.runtime.constraints import Constraints
 from specrt.runtime.controller import PooledAcceptance, make_controller
 from specrt.runtime.costs import StepCosts, measure_costs
-from specrt.runtime.drafters import ConstrainedDrafter, make_drafter
+from specrt.runtime.drafters import DRAFT_WINDOW, ConstrainedDrafter, make_drafter
 from specrt.runtime.generation import Generation
 from specrt.runtime.grammar import Grammar, Grammars
 from specrt.runtime.logprobs import check_top
@@ -55,6 +55,7 @@ class SpeculativeRuntime:
         prefix_store: int = 0,
         prefill_chunk: int | None = PREFILL_CHUNK,
         chat_template: str | None = None,
+        draft_window: int | None = DRAFT_WINDOW,
     ):
         """draft is None for a bundle built without a draft model; drafter is the default
         source of drafts (`model`, `ngram` or `hybrid`; default: model where there is one);
@@ -62,11 +63,13 @@ class SpeculativeRuntime:
         prompt_cache.py), off where a benchmark measures prefill; prefix_store: bytes of host
         memory that keep prefixes beyond the slots (0: none; prefix_store.py); prefill_chunk:
         prompt tokens a batch feeds between rounds (None: each prompt whole, scheduler.py);
-        chat_template: Jinja text used in place of the bundle's."""
+        chat_template: Jinja text used in place of the bundle's; draft_window: the most prompt
+        tokens the draft model reads, its first and its last (None: all; drafters.py)."""
         self.bundle = bundle
         self.draft, self.target = draft, target
         self.drafter: str = drafter or ("ngram" if draft is None else "model")
-        make_drafter(self.drafter, draft)  # refuse a bad name now, not mid-request
+        self.draft_window = draft_window
+        make_drafter(self.drafter, draft, window=draft_window)  # refuse a bad one now
         self.tokenizer = TextTokenizer.from_bundle(bundle, chat_template)
         self.eos_token_ids = frozenset(bundle.eos_token_ids)
         folder = bundle.role("target").folder
@@ -110,6 +113,7 @@ class SpeculativeRuntime:
         prefix_store: int = 0,
         prefill_chunk: int | None = PREFILL_CHUNK,
         chat_template: str | None = None,
+        draft_window: int | None = DRAFT_WINDOW,
         **engine_options,
     ) -> SpeculativeRuntime:
         """slots: requests the engines hold side by side (a server's --max-batch)."""
@@ -130,6 +134,7 @@ class SpeculativeRuntime:
             prefix_store=prefix_store,
             prefill_chunk=prefill_chunk,
             chat_template=chat_template,
+            draft_window=draft_window,
         )
         if calibrate:
             runtime.calibrate()
@@ -212,7 +217,9 @@ class SpeculativeRuntime:
         used; grammar: the request's, compiled for its first choice, copied for the others."""
         policy = self._policy(o)
         vocab = self.target.vocab_size
-        source = make_drafter(o.drafter or self.drafter, self.draft, vocab) if o.speculate else None
+        source = None
+        if o.speculate:
+            source = make_drafter(o.drafter or self.drafter, self.draft, vocab, self.draft_window)
         if o.prediction is not None:
             predicted = self._predicted(o.prediction, source)  # checked even when not speculating
             source = predicted if o.speculate else None

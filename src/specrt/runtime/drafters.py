@@ -30,6 +30,11 @@ from specrt.runtime.sampling import SamplingParams, probabilities, sample
 
 DRAFTERS = ("model", "ngram", "hybrid")
 CATCH_UP = 4  # a draft cache further behind catches up in a call of its own
+SINKS = 4  # a windowed draft keeps the prompt's first tokens (see ModelDrafter.start)
+# The most prompt tokens the draft model reads. Measured on the default pair after a 4,000-token
+# prompt (docs/limits.md): reading its last 512 accepted as many drafts as reading it all, at
+# an eighth of the draft's time.
+DRAFT_WINDOW = 512
 
 
 @dataclass(frozen=True)
@@ -95,27 +100,53 @@ class ModelDrafter:
 
     name = "model"
 
-    def __init__(self, engine: Engine, ids: int | None = None):
+    def __init__(self, engine: Engine, ids: int | None = None, window: int | None = None):
         """ids: how many token ids the target has logits for, where the two models' logits are
         padded differently past their tokenizer's ids (Qwen2.5 0.5B: 151,936; 7B: 152,064).
         The draft proposes among the ids both have, and is fed a placeholder of its own for a
-        token past its logits (a target's padding id: it only moves the next proposals)."""
+        token past its logits (a target's padding id: it only moves the next proposals).
+        window: the most prompt tokens the draft model reads (None: all), see `start`."""
+        if window is not None and window <= SINKS:
+            raise SpecrtError(
+                f"a draft window must hold more than the {SINKS} first tokens it keeps, got "
+                f"{window}",
+                param="draft_window",
+            )
         self.engine, self.slot = engine, 0
         self.ids = min(engine.vocab_size, ids or engine.vocab_size)
+        self.window = window
+        self.skip = 0  # prompt tokens after the first SINKS that the draft model does not read
         self.model = self
 
     def start(self, prompt: Sequence[int], slot: int, cache: PromptCache | None) -> None:
         """Only take the slot, with what a slot already holds of the prompt: the rest is fed
         when a draft is first asked for, so a request that never drafts (K = 0 in a busy batch)
-        never pays for the draft model's prefill."""
+        never pays for the draft model's prefill.
+
+        A prompt longer than the window is read as its first SINKS tokens and its last ones
+        (StreamingLLM's attention sinks and recent window, as MagicDec drafts long contexts):
+        the draft's catch-up and its steps then cost the same after 8,000 tokens as after 500,
+        and its cache holds the window, not the prompt. Only the proposals change; the target
+        verifies every one, so no output does. The draft model's positions are its own
+        sequence's (the window follows the sinks at once), which relative rotary positions
+        do not mind."""
         self.slot = slot
-        take_slot(self.engine, slot, prompt, cache)
+        self.skip = max(0, len(prompt) - self.window) if self.window else 0
+        take_slot(self.engine, slot, self.unread(prompt, 0), cache)
+
+    def unread(self, seq: Sequence[int], held: int | None = None) -> Sequence[int]:
+        """The draft model's own sequence (seq without the `skip` tokens after the sinks) from
+        its position `held` on (default: what its cache holds)."""
+        held = self.engine.lengths[self.slot] if held is None else held
+        if not self.skip or held >= SINKS:
+            return seq[held + self.skip :]
+        return [*seq[held:SINKS], *seq[SINKS + self.skip :]]
 
     def offer(self, seq: Sequence[int], limit: int) -> Offer:
-        return Offer("model", limit, len(seq) - self.engine.lengths[self.slot])
+        return Offer("model", limit, len(seq) - self.skip - self.engine.lengths[self.slot])
 
     def rollback(self, length: int) -> None:
-        self.engine.rollback(min(self.engine.lengths[self.slot], length), self.slot)
+        self.engine.rollback(min(self.engine.lengths[self.slot], length - self.skip), self.slot)
 
 
 @dataclass
@@ -161,10 +192,7 @@ def draft_together(jobs: Sequence[DraftJob]) -> tuple[list[Proposal], Steps]:
         if job.constraints is not None:
             job.constraints.advance(job.prefix)
     feeds = {
-        i: [
-            min(token, last)
-            for token in [*job.seq[job.drafter.engine.lengths[job.drafter.slot] :], *job.prefix]
-        ]
+        i: [min(token, last) for token in [*job.drafter.unread(job.seq), *job.prefix]]
         for i, job in enumerate(jobs)
         if job.k
     }
@@ -363,8 +391,11 @@ class ConstrainedDrafter:
             self.inner.rollback(length)
 
 
-def make_drafter(name, draft: Engine | None, ids: int | None = None) -> Drafter:
-    """`model`, `ngram` or `hybrid` over the bundle's draft engine (None: target-only).
+def make_drafter(
+    name, draft: Engine | None, ids: int | None = None, window: int | None = DRAFT_WINDOW
+) -> Drafter:
+    """`model`, `ngram` or `hybrid` over the bundle's draft engine (None: target-only); window:
+    the most prompt tokens the draft model reads (None: all, see `ModelDrafter.start`).
 
     Anything else is taken as a drafter already (with `start`, `offer`, `propose`,
     `rollback`; one per request, since drafters keep per-request state)."""
@@ -382,5 +413,5 @@ def make_drafter(name, draft: Engine | None, ids: int | None = None) -> Drafter:
             "--draft); use the ngram drafter",
             param="drafter",
         )
-    model = ModelDrafter(draft, ids)
+    model = ModelDrafter(draft, ids, window)
     return model if name == "model" else HybridDrafter(model, NgramDrafter())

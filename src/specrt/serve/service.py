@@ -113,6 +113,7 @@ class LocalService:
                 prefix_store=s.prefix_bytes(),
                 chat_template=s.template(),
                 prefill_chunk=s.prefill_chunk or None,
+                draft_window=s.draft_window or None,
             )
         except Exception as err:
             self.load_error = f"{type(err).__name__}: {err}"

@@ -10,6 +10,7 @@ from specrt.bundle import Bundle
 from specrt.errors import SpecrtError
 from specrt.runtime.budget import parse_bytes, parse_size
 from specrt.runtime.controller import make_controller
+from specrt.runtime.drafters import DRAFT_WINDOW, SINKS
 from specrt.runtime.prefix_store import default_capacity
 from specrt.runtime.scheduler import PREFILL_CHUNK
 from specrt.runtime.text import read_template
@@ -34,6 +35,7 @@ class ServeSettings:
     calibrate: bool = True  # measure the cost curves before reporting ready
     prompt_cache: bool = True  # a prompt starts from what a slot already holds of it
     prefill_chunk: int = PREFILL_CHUNK  # prompt tokens fed between rounds (0: each whole)
+    draft_window: int = DRAFT_WINDOW  # prompt tokens the draft model reads (0: all)
     kv_budget: str | None = None  # cache positions ("65536") or bytes ("12GB") slots share
     prefix_cache: str | None = None  # host memory for prefixes beyond the slots ("0": none)
     chat_template: Path | None = None  # a Jinja file used in place of the bundle's template
@@ -59,6 +61,11 @@ class ServeSettings:
         if self.prefill_chunk < 0:
             raise SpecrtError(
                 f"--prefill-chunk must be >= 0 (0: each prompt whole), got {self.prefill_chunk}"
+            )
+        if self.draft_window and self.draft_window <= SINKS:
+            raise SpecrtError(
+                f"--draft-window must be 0 (the whole prompt) or more than {SINKS}, got "
+                f"{self.draft_window}"
             )
         if self.max_queue < 1:
             raise SpecrtError(

@@ -1,0 +1,90 @@
+"""A windowed draft: after a long prompt the draft model reads only its first SINKS tokens and
+its last ones, so drafting costs what it costs after a short prompt. Only the proposals may
+change, never the output: greedy equals the target alone (and the sampled distribution is
+checked in test_lossless_sampling.py). The agreeing pair is the control that the window is
+really in effect: its draft agrees with the target only where it reads the whole context."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specrt.errors import SpecrtError
+from specrt.runtime import SpeculativeRuntime
+from specrt.runtime.drafters import SINKS, DraftJob, ModelDrafter, draft_together, make_drafter
+from specrt.runtime.sampling import SamplingParams
+from specrt.serve import ServeSettings
+
+LONG = "def add(a, b):\n    return a + b\n\n" * 2 + "class Point:\n    def __init__(self, x, y):"
+
+
+@pytest.fixture(scope="module")
+def runtimes(bundles):
+    return {arch: SpeculativeRuntime.load(path, threads=1) for arch, path in bundles.items()}
+
+
+def test_the_draft_reads_the_sinks_then_the_prompt_end(runtimes):
+    rt = runtimes["llama"]
+    prompt = [5 + i % 50 for i in range(40)]
+    drafter = ModelDrafter(rt.draft, window=12)
+    drafter.start(prompt, 0, None)
+    assert drafter.offer(prompt, 3).lag == 12  # the window, not the prompt
+    job = DraftJob(drafter, prompt, 3, SamplingParams(), np.random.default_rng(0))
+    (proposal,), _ = draft_together([job])
+    view = prompt[:SINKS] + prompt[-(12 - SINKS) :]
+    held = list(rt.draft.held(0))
+    assert held[:12] == view and held[12:] == proposal.tokens[:-1]
+    drafter.rollback(len(prompt) + 1)  # one draft kept: the cache keeps the window and it
+    assert list(rt.draft.held(0)) == [*view, proposal.tokens[0]]
+    seq = [*prompt, proposal.tokens[0], 7]
+    assert drafter.offer(seq, 3).lag == 1 and list(drafter.unread(seq)) == [7]
+    # A prompt that fits the window is read whole, as without one.
+    drafter.start(prompt[:10], 0, None)
+    assert drafter.skip == 0 and drafter.offer(prompt[:10], 3).lag == 10
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("name", ["model", "hybrid"])
+def test_greedy_output_is_the_target_alone_at_any_window(runtimes, arch, name):
+    rt = runtimes[arch]
+    ids = rt.encode(LONG)
+    assert 40 < len(ids) < 70, len(ids)
+    alone = rt.generate(ids, max_new_tokens=30, speculate=False, ignore_eos=True)
+    for window in (SINKS + 1, 16, None):
+        for controller in ("fixed:3", "adaptive"):
+            drafter = make_drafter(name, rt.draft, window=window)
+            spec = rt.generate(
+                ids, max_new_tokens=30, drafter=drafter, controller=controller, ignore_eos=True
+            )
+            assert spec.token_ids == alone.token_ids, (window, controller)
+    # The conversation's next turn: the draft reads its new window, the output is the same.
+    turn = [*ids, *alone.token_ids, *rt.encode(" and then")]
+    again = rt.generate(turn, max_new_tokens=20, speculate=False, ignore_eos=True)
+    spec = rt.generate(turn, max_new_tokens=20, controller="fixed:2", ignore_eos=True)
+    assert spec.token_ids == again.token_ids and spec.stats.drafted > 0
+
+
+def test_the_window_is_in_effect_on_the_agreeing_pair(agree_bundle):
+    """The agreeing draft proposes the target's own tokens where it reads what the target
+    reads (every draft accepted); with a small window it reads less and is rejected at times,
+    and the output is the target's all the same."""
+    rt = SpeculativeRuntime.load(agree_bundle, threads=1, calibrate=False, draft_window=None)
+    ids = [3 + (7 * i) % 90 for i in range(80)]
+    alone = rt.generate(ids, max_new_tokens=24, speculate=False, ignore_eos=True)
+    rates = {}
+    for window in (None, 8):
+        drafter = make_drafter("model", rt.draft, window=window)
+        spec = rt.generate(
+            ids, max_new_tokens=24, drafter=drafter, controller="fixed:3", ignore_eos=True
+        )
+        assert spec.token_ids == alone.token_ids
+        rates[window] = spec.stats.accepted / spec.stats.drafted
+    assert rates[None] == 1.0 and rates[8] < 1.0
+
+
+def test_a_window_too_small_is_refused(bundles, runtimes):
+    with pytest.raises(SpecrtError, match="more than the 4 first tokens"):
+        ModelDrafter(runtimes["llama"].draft, window=SINKS)
+    with pytest.raises(SpecrtError, match="--draft-window must be 0"):
+        ServeSettings(bundle=bundles["llama"], draft_window=3).check()
+    assert runtimes["llama"].draft_window == 512  # the default

@@ -11,10 +11,15 @@ prompt cache off). Each row runs in a process of its own, so its peak RSS
     python benchmarks/long_context.py BUNDLE --speculation [--sizes 1000,4000,8000] \
         [--llama-cpp DIR] [--out benchmarks/results/cpu-long-context-speculation]
 
-`--speculation` answers ANSWER tokens with the target alone and with adaptive speculation; with
-`--llama-cpp DIR` (a folder with llama-server, or $SPECRT_LLAMA_CPP, or PATH), llama-server gets
-the same prompt's token ids on the bundle's GGUF files, alone and with the draft GGUF, one slot,
-as many threads, `cache_prompt` off.
+`--speculation` answers ANSWER tokens with the target alone, then with adaptive speculation
+whose draft model reads the prompt's last 512 tokens (the default `--draft-window`) and with one
+that reads it whole. The target alone pays the prefill (its first token is the row's); the
+speculating runs start from the target's prefix in its slot (the prompt cache), so each pays
+only its own decode, the draft model's catch-up included. `--task completion` sends the cut
+source as plain text to continue (code completion, as an editor sends a file) instead of a
+chat question about it. With `--llama-cpp DIR` (a folder with llama-server, or
+$SPECRT_LLAMA_CPP, or PATH), llama-server gets the same prompt's token ids on the bundle's GGUF
+files, alone and with the draft GGUF, one slot, as many threads, `cache_prompt` off.
 """
 
 from __future__ import annotations
@@ -35,6 +40,10 @@ from specrt.tools import llamacpp
 HERE = Path(__file__).resolve().parent
 PACKAGE = HERE.parent / "src" / "specrt"
 QUESTION = "\n\nWhat does the code above do? Answer briefly."
+TASKS = {
+    "chat": "a source file cut to N tokens and a question about it, as a chat message",
+    "completion": "a source file cut to N tokens, continued as plain text (code completion)",
+}
 NEW_TOKENS = 8
 ANSWER = 64  # new tokens of the speculation rows
 
@@ -68,16 +77,23 @@ def one(bundle: str, size: int, piece: int) -> dict:
     }
 
 
-def speculation_row(bundle: str, size: int) -> dict:
-    """One size, in this process: the target alone, then adaptive speculation, each answering
-    ANSWER tokens after the same prompt (each pays its own prefill)."""
+def speculation_row(bundle: str, size: int, task: str) -> dict:
+    """One size, in this process: the target alone, then adaptive speculation reading the
+    prompt whole, then in its window, each answering ANSWER tokens after the same prompt (the
+    speculating runs from the target alone's prefix in the slot)."""
     from specrt.runtime import SpeculativeRuntime
+    from specrt.runtime.drafters import DRAFT_WINDOW, make_drafter
 
-    rt = SpeculativeRuntime.load(bundle, prompt_cache=False)
+    rt = SpeculativeRuntime.load(bundle)
     text = rt.tokenizer.decode(rt.tokenizer.encode(source_text())[:size])
-    prompt = [{"role": "user", "content": text + QUESTION}]
-    row = {"size": size, "prompt_ids": rt.encode(prompt)}
-    for name, options in (("target", {"speculate": False}), ("adaptive", {})):
+    prompt = text if task == "completion" else [{"role": "user", "content": text + QUESTION}]
+    row = {"size": size, "prompt_ids": rt.encode(prompt), "window": DRAFT_WINDOW}
+    runs = {
+        "target": {"speculate": False},
+        "whole": {"drafter": make_drafter("model", rt.draft, window=None)},
+        "adaptive": {},
+    }
+    for name, options in runs.items():
         result = rt.generate(prompt, max_new_tokens=ANSWER, ignore_eos=True, **options)
         s = result.stats
         row["prompt_tokens"] = s.prompt_tokens
@@ -87,6 +103,8 @@ def speculation_row(bundle: str, size: int) -> dict:
                 (s.new_tokens - 1) / (s.total_seconds - s.ttft_seconds), 2
             ),
             "mean_k": round(sum(s.ks) / max(1, len(s.ks)), 2),
+            "accepted": s.accepted,
+            "drafted": s.drafted,
             "tokens": result.token_ids,
         }
     return row
@@ -152,25 +170,37 @@ def _speculation_markdown(result: dict) -> str:
     lines = [
         "# Long prompts: what speculation gains after them",
         "",
-        f"One request, greedy, {ANSWER} new tokens, prompt cache off, the default draft and "
-        f"target; a source file cut to N tokens and a question. `{result['command']}`",
+        f"One request, greedy, {ANSWER} new tokens, the default draft and target; "
+        f"{TASKS[result.get('task', 'chat')]}. The target alone pays the prefill; the "
+        "speculating runs start from its prefix in the slot and pay their own decode, the draft "
+        "model's catch-up included (decode: tokens after the first over their seconds; "
+        f"accepted: drafts the target kept). `{result['command']}`",
         "",
-        "| prompt tokens | target alone: first token, decode tok/s | adaptive: first token, "
-        "decode tok/s, mean K | decode gain | same output |",
-        "|---|---|---|---|---|",
+        "| prompt tokens | target alone: first token, decode tok/s | adaptive, draft reads the "
+        "whole prompt: tok/s, mean K, accepted | adaptive, draft reads its last "
+        f"{result['rows'][0].get('window', 512)}: tok/s, mean K, accepted | gain | same output |",
+        "|---|---|---|---|---|---|",
     ]
     for row in result["rows"]:
         alone, spec = row["target"], row["adaptive"]
+        whole = row.get("whole")
         gain = spec["decode_tokens_per_s"] / alone["decode_tokens_per_s"]
+        same = all(r["tokens"] == alone["tokens"] for r in (spec, whole) if r)
         lines.append(
             f"| {row['prompt_tokens']:,} | {alone['ttft_s']:.1f} s, "
-            f"{alone['decode_tokens_per_s']:.2f} | {spec['ttft_s']:.1f} s, "
-            f"{spec['decode_tokens_per_s']:.2f}, K {spec['mean_k']:.1f} | {gain:.2f}× | "
-            f"{'yes' if alone['tokens'] == spec['tokens'] else 'NO'} |"
+            f"{alone['decode_tokens_per_s']:.2f} | {_run_cell(whole)} | {_run_cell(spec)} | "
+            f"{gain:.2f}× | {'yes' if same else 'NO'} |"
         )
     if llama:
         lines += ["", *_llama_markdown(result)]
     return "\n".join(lines) + "\n"
+
+
+def _run_cell(run: dict | None) -> str:
+    if run is None:
+        return "–"
+    kept = f"{run['accepted']}/{run['drafted']}" if "drafted" in run else "–"
+    return f"{run['decode_tokens_per_s']:.2f}, K {run['mean_k']:.1f}, {kept}"
 
 
 def _llama_markdown(result: dict) -> list[str]:
@@ -210,20 +240,21 @@ def _llama_markdown(result: dict) -> list[str]:
 @click.option("--out", type=Path, default=Path("benchmarks/results/cpu-long-context"))
 @click.option("--speculation", is_flag=True, help="Target alone against adaptive, per size.")
 @click.option("--llama-cpp", type=click.Path(path_type=Path), help="--speculation: llama-server.")
+@click.option("--task", type=click.Choice(list(TASKS)), default="chat", show_default=True)
 @click.option("--one", "one_row", nargs=2, type=int, default=None, hidden=True)
 def main(
-    bundle: Path, sizes: str, pieces: str, out: Path, speculation: bool, llama_cpp, one_row
+    bundle: Path, sizes: str, pieces: str, out: Path, speculation: bool, llama_cpp, task, one_row
 ) -> None:
+    """--task: what the --speculation prompts ask (see TASKS)."""
     if one_row:
         size, piece = one_row
-        print(
-            json.dumps(
-                speculation_row(str(bundle), size) if speculation else one(str(bundle), size, piece)
-            )
-        )
+        if speculation:
+            print(json.dumps(speculation_row(str(bundle), size, task)))
+        else:
+            print(json.dumps(one(str(bundle), size, piece)))
         return
     if speculation:
-        _compare_speculation(bundle, sizes, out, llama_cpp)
+        _compare_speculation(bundle, sizes, out, llama_cpp, task)
         return
     rows = []
     for size in (int(n) for n in sizes.split(",")):
@@ -246,10 +277,13 @@ def main(
     print(markdown(result))
 
 
-def _compare_speculation(bundle: Path, sizes: str, out: Path, llama_cpp: Path | None) -> None:
+def _compare_speculation(
+    bundle: Path, sizes: str, out: Path, llama_cpp: Path | None, task: str
+) -> None:
     rows = []
     for size in (int(n) for n in sizes.split(",")):
-        command = [sys.executable, __file__, str(bundle), "--speculation", "--one", str(size), "0"]
+        command = [sys.executable, __file__, str(bundle), "--speculation", "--task", task]
+        command += ["--one", str(size), "0"]
         done = subprocess.run(command, capture_output=True, text=True, check=True)
         rows.append(json.loads(done.stdout.splitlines()[-1]))
         print(
@@ -260,10 +294,13 @@ def _compare_speculation(bundle: Path, sizes: str, out: Path, llama_cpp: Path | 
     llama = llama_rows(bundle, llama_cpp, rows)
     for row in rows:
         del row["prompt_ids"]  # thousands of ids a row: the sizes name the prompts
-    command = f"python benchmarks/long_context.py BUNDLE --speculation --sizes {sizes}"
+    command = (
+        f"python benchmarks/long_context.py BUNDLE --speculation --task {task} --sizes {sizes}"
+    )
     result = {
         "kind": "long_context",
         "mode": "speculation",
+        "task": task,
         "machine": machine.describe(),
         "command": command + (" --llama-cpp DIR" if llama else ""),
         "bundle": str(bundle),

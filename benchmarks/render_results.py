@@ -27,6 +27,7 @@ RESULTS = HERE / "results"
 RENDERERS = {
     "bench": "specrt.tools.report",
     "concurrency": "specrt.tools.concurrency",
+    "attention_kernels": "attention_kernels",
     "big_target": "big_target",
     "ceilings": "ceilings",
     "gguf_forms": "gguf_forms",

@@ -95,8 +95,9 @@ def draw(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, t
 
 class ModelDrafter:
     """The bundle's draft model, in its own slot of the draft engine. Its cache holds a prefix of
-    the sequence and catches up on the rest before drafting, so rounds that another drafter
-    served cost it nothing until then."""
+    its own sequence (the request's, or a long prompt's sinks and window and what follows, see
+    `start`) and catches up on the rest before drafting, so rounds that another drafter served
+    cost it nothing until then."""
 
     name = "model"
 
@@ -128,8 +129,8 @@ class ModelDrafter:
         the draft's catch-up and its steps then cost the same after 8,000 tokens as after 500,
         and its cache holds the window, not the prompt. Only the proposals change; the target
         verifies every one, so no output does. The draft model's positions are its own
-        sequence's (the window follows the sinks at once), which relative rotary positions
-        do not mind."""
+        sequence's: the window follows the sinks at once, as StreamingLLM numbers positions
+        within its cache."""
         self.slot = slot
         self.skip = max(0, len(prompt) - self.window) if self.window else 0
         take_slot(self.engine, slot, self.unread(prompt, 0), cache)

@@ -8,14 +8,17 @@ prompt cache off). Each row runs in a process of its own, so its peak RSS
 
     python benchmarks/long_context.py BUNDLE [--sizes 1000,3000,6000] [--pieces 0,512,256] \
         [--out benchmarks/results/cpu-long-context]
-    python benchmarks/long_context.py BUNDLE --speculation [--sizes 1000,4000,8000] \
+    python benchmarks/long_context.py BUNDLE --speculation [--task chat] [--answer 64] \
+        [--sizes 1000,4000,8000] \
         [--llama-cpp DIR] [--out benchmarks/results/cpu-long-context-speculation]
 
-`--speculation` answers ANSWER tokens with the target alone, then with adaptive speculation
+`--speculation` answers `--answer` tokens with the target alone, then with adaptive speculation
 whose draft model reads the prompt's last 512 tokens (the default `--draft-window`) and with one
 that reads it whole. The target alone pays the prefill (its first token is the row's); the
 speculating runs start from the target's prefix in its slot (the prompt cache), so each pays
-only its own decode, the draft model's catch-up included. `--task completion` sends the cut
+only its own decode, the draft model's catch-up included, and each starts from the costs
+calibrated at load and no acceptance seen (a run's rounds would otherwise set the next one's
+course). `--task completion` sends the cut
 source as plain text to continue (code completion, as an editor sends a file) instead of a
 chat question about it. With `--llama-cpp DIR` (a folder with llama-server, or
 $SPECRT_LLAMA_CPP, or PATH), llama-server gets the same prompt's token ids on the bundle's GGUF
@@ -24,6 +27,7 @@ files, alone and with the draft GGUF, one slot, as many threads, `cache_prompt` 
 
 from __future__ import annotations
 
+import copy
 import json
 import resource
 import subprocess
@@ -45,7 +49,7 @@ TASKS = {
     "completion": "a source file cut to N tokens, continued as plain text (code completion)",
 }
 NEW_TOKENS = 8
-ANSWER = 64  # new tokens of the speculation rows
+ANSWER = 64  # new tokens of the speculation rows, by default
 
 
 def source_text() -> str:
@@ -77,14 +81,17 @@ def one(bundle: str, size: int, piece: int) -> dict:
     }
 
 
-def speculation_row(bundle: str, size: int, task: str) -> dict:
+def speculation_row(bundle: str, size: int, task: str, answer: int) -> dict:
     """One size, in this process: the target alone, then adaptive speculation reading the
-    prompt whole, then in its window, each answering ANSWER tokens after the same prompt (the
-    speculating runs from the target alone's prefix in the slot)."""
+    prompt whole, then in its window, each answering `answer` tokens after the same prompt
+    (the speculating runs from the target alone's prefix in the slot), each from the
+    calibrated costs and a fresh acceptance pool."""
     from specrt.runtime import SpeculativeRuntime
+    from specrt.runtime.controller import PooledAcceptance
     from specrt.runtime.drafters import DRAFT_WINDOW, make_drafter
 
     rt = SpeculativeRuntime.load(bundle)
+    calibrated = copy.deepcopy(rt.costs)
     text = rt.tokenizer.decode(rt.tokenizer.encode(source_text())[:size])
     prompt = text if task == "completion" else [{"role": "user", "content": text + QUESTION}]
     row = {"size": size, "prompt_ids": rt.encode(prompt), "window": DRAFT_WINDOW}
@@ -94,7 +101,8 @@ def speculation_row(bundle: str, size: int, task: str) -> dict:
         "adaptive": {},
     }
     for name, options in runs.items():
-        result = rt.generate(prompt, max_new_tokens=ANSWER, ignore_eos=True, **options)
+        rt.costs, rt.acceptance = copy.deepcopy(calibrated), PooledAcceptance()
+        result = rt.generate(prompt, max_new_tokens=answer, ignore_eos=True, **options)
         s = result.stats
         row["prompt_tokens"] = s.prompt_tokens
         row[name] = {
@@ -130,7 +138,9 @@ def llama_rows(bundle: Path, folder: Path | None, rows: list[dict]) -> dict | No
         with llamacpp.serving(spec) as base:
             llamacpp.complete(base, rows[0]["prompt_ids"][:8], 4)  # warm-up
             for row in rows:
-                tokens, times = llamacpp.complete(base, row["prompt_ids"], ANSWER)
+                tokens, times = llamacpp.complete(
+                    base, row["prompt_ids"], len(row["target"]["tokens"])
+                )
                 row[f"llama_{name}"] = {
                     "ttft_s": round(times[0], 2),
                     "decode_tokens_per_s": round((len(times) - 1) / (times[-1] - times[0]), 2),
@@ -170,7 +180,8 @@ def _speculation_markdown(result: dict) -> str:
     lines = [
         "# Long prompts: what speculation gains after them",
         "",
-        f"One request, greedy, {ANSWER} new tokens, the default draft and target; "
+        f"One request, greedy, {result.get('answer', ANSWER)} new tokens, the default draft "
+        "and target; "
         f"{TASKS[result.get('task', 'chat')]}. The target alone pays the prefill; the "
         "speculating runs start from its prefix in the slot and pay their own decode, the draft "
         "model's catch-up included (decode: tokens after the first over their seconds; "
@@ -241,20 +252,29 @@ def _llama_markdown(result: dict) -> list[str]:
 @click.option("--speculation", is_flag=True, help="Target alone against adaptive, per size.")
 @click.option("--llama-cpp", type=click.Path(path_type=Path), help="--speculation: llama-server.")
 @click.option("--task", type=click.Choice(list(TASKS)), default="chat", show_default=True)
+@click.option("--answer", default=ANSWER, show_default=True, help="--speculation: new tokens.")
 @click.option("--one", "one_row", nargs=2, type=int, default=None, hidden=True)
 def main(
-    bundle: Path, sizes: str, pieces: str, out: Path, speculation: bool, llama_cpp, task, one_row
+    bundle: Path,
+    sizes: str,
+    pieces: str,
+    out: Path,
+    speculation: bool,
+    llama_cpp,
+    task: str,
+    answer: int,
+    one_row,
 ) -> None:
     """--task: what the --speculation prompts ask (see TASKS)."""
     if one_row:
         size, piece = one_row
         if speculation:
-            print(json.dumps(speculation_row(str(bundle), size, task)))
+            print(json.dumps(speculation_row(str(bundle), size, task, answer)))
         else:
             print(json.dumps(one(str(bundle), size, piece)))
         return
     if speculation:
-        _compare_speculation(bundle, sizes, out, llama_cpp, task)
+        _compare_speculation(bundle, sizes, out, llama_cpp, task, answer)
         return
     rows = []
     for size in (int(n) for n in sizes.split(",")):
@@ -278,11 +298,12 @@ def main(
 
 
 def _compare_speculation(
-    bundle: Path, sizes: str, out: Path, llama_cpp: Path | None, task: str
+    bundle: Path, sizes: str, out: Path, llama_cpp: Path | None, task: str, answer: int
 ) -> None:
     rows = []
     for size in (int(n) for n in sizes.split(",")):
         command = [sys.executable, __file__, str(bundle), "--speculation", "--task", task]
+        command += ["--answer", str(answer)]
         command += ["--one", str(size), "0"]
         done = subprocess.run(command, capture_output=True, text=True, check=True)
         rows.append(json.loads(done.stdout.splitlines()[-1]))
@@ -294,13 +315,13 @@ def _compare_speculation(
     llama = llama_rows(bundle, llama_cpp, rows)
     for row in rows:
         del row["prompt_ids"]  # thousands of ids a row: the sizes name the prompts
-    command = (
-        f"python benchmarks/long_context.py BUNDLE --speculation --task {task} --sizes {sizes}"
-    )
+    command = "python benchmarks/long_context.py BUNDLE --speculation "
+    command += f"--task {task} --answer {answer} --sizes {sizes}"
     result = {
         "kind": "long_context",
         "mode": "speculation",
         "task": task,
+        "answer": answer,
         "machine": machine.describe(),
         "command": command + (" --llama-cpp DIR" if llama else ""),
         "bundle": str(bundle),

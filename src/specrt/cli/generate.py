@@ -102,7 +102,6 @@ def generate(
     """Generate from PROMPT with speculative decoding (constrained by a JSON schema, a grammar
     or a regular expression where given: exactly the constrained target's output)."""
     from specrt.runtime import SpeculativeRuntime
-    from specrt.tools.display import LEGEND, accepted_text, format_stats, json_result
 
     runtime = SpeculativeRuntime.load(
         bundle,
@@ -129,14 +128,21 @@ def generate(
         if stream and not as_json and not show_accepted:
             click.echo(delta, nl=False)
             sys.stdout.flush()
-    result = generation.result
+    _show(generation.result, runtime.tokenizer, stream, stats, as_json, show_accepted)
+
+
+def _show(result, tokenizer, streamed: bool, stats: bool, as_json: bool, show_accepted: bool):
+    """The result as the flags ask: JSON, the text coloured by origin, or the text (unless it
+    was streamed already); the statistics after it."""
+    from specrt.tools.display import LEGEND, accepted_text, format_stats, json_result
+
     if as_json:
         click.echo(json_result(result))
         return
     if show_accepted:
-        click.echo(accepted_text(runtime.tokenizer, result))
+        click.echo(accepted_text(tokenizer, result))
         _log(LEGEND)
     else:
-        click.echo("" if stream else result.text)
+        click.echo("" if streamed else result.text)
     if stats:
         _log(format_stats(result.stats, result.finish_reason))

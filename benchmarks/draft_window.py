@@ -1,0 +1,143 @@
+"""The draft window on Spec-Bench's long-input prompts: the draft model reading the whole prompt
+against reading its window (`--draft-window`), adaptive, greedy, answers as long as the model
+makes them (up to --max-new-tokens).
+
+The prompts are the first turns of the categories' questions longer than --min-tokens (as chat
+messages). Per prompt, in one process: the target's prefill is paid once and reused from its
+slot; each run starts from the costs calibrated at load and a fresh acceptance pool, so one
+run's rounds do not set the next one's course. Decode: tokens after the first over their
+seconds, the draft model's catch-up included.
+
+    python benchmarks/draft_window.py BUNDLE [--categories summarization,rag] [--per-category 3]
+        [--windows 0,512] [--out benchmarks/results/cpu-draft-window]
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import click
+
+from specrt import machine
+from specrt.files import write_result
+
+SPECBENCH = Path(__file__).resolve().parents[2] / "shared" / "specbench" / "question.jsonl"
+
+
+def prompts(rt, categories: list[str], per_category: int, min_tokens: int) -> list[dict]:
+    questions = [json.loads(line) for line in SPECBENCH.read_text().splitlines() if line]
+    picked = []
+    for category in categories:
+        long = [
+            {"category": category, "messages": [{"role": "user", "content": q["turns"][0]}]}
+            for q in questions
+            if q["category"] == category
+            and len(rt.encode([{"role": "user", "content": q["turns"][0]}])) > min_tokens
+        ]
+        picked += long[:per_category]
+    return picked
+
+
+def measure(bundle: Path, picked_by, windows: list[int], max_new: int) -> list[dict]:
+    from specrt.runtime import SpeculativeRuntime
+    from specrt.runtime.controller import PooledAcceptance
+    from specrt.runtime.drafters import make_drafter
+
+    rt = SpeculativeRuntime.load(bundle)
+    calibrated = copy.deepcopy(rt.costs)
+    rows = []
+    for item in picked_by(rt):
+        row = {"category": item["category"], "prompt_tokens": len(rt.encode(item["messages"]))}
+        for window in windows:
+            rt.costs, rt.acceptance = copy.deepcopy(calibrated), PooledAcceptance()
+            drafter = make_drafter("model", rt.draft, window=window or None)
+            result = rt.generate(item["messages"], max_new_tokens=max_new, drafter=drafter)
+            s = result.stats
+            row[str(window)] = {
+                "new_tokens": s.new_tokens,
+                "decode_seconds": round(s.total_seconds - s.ttft_seconds, 3),
+                "mean_k": round(sum(s.ks) / max(1, len(s.ks)), 2),
+                "accepted": s.accepted,
+                "drafted": s.drafted,
+                "tokens": result.token_ids,
+            }
+        rows.append(row)
+        print(json.dumps(row)[:300], flush=True)
+    return rows
+
+
+def _rate(run: dict) -> float:
+    return (run["new_tokens"] - 1) / run["decode_seconds"]
+
+
+def markdown(result: dict) -> str:
+    windows = [str(w) for w in result["windows"]]
+    names = ["whole prompt" if w == "0" else f"window {w}" for w in windows]
+    lines = [
+        "# The draft window on Spec-Bench's long-input prompts",
+        "",
+        "Adaptive, greedy, up to "
+        f"{result['max_new_tokens']} new tokens (the model's own length); per cell: decode "
+        "tokens/s, mean K, drafts accepted / drafted. Each run from the calibrated costs and a "
+        f"fresh acceptance pool, the target's prefill reused. `{result['command']}`",
+        "",
+        "| category | prompt tokens | new tokens | " + " | ".join(names) + " | same output |",
+        "|---" * (len(names) + 4) + "|",
+    ]
+    totals = {w: [0, 0.0] for w in windows}
+    for row in result["rows"]:
+        cells = []
+        for w in windows:
+            run = row[w]
+            totals[w][0] += run["new_tokens"] - 1
+            totals[w][1] += run["decode_seconds"]
+            cells.append(
+                f"{_rate(run):.2f}, K {run['mean_k']:.1f}, {run['accepted']}/{run['drafted']}"
+            )
+        same = all(row[w]["tokens"] == row[windows[0]]["tokens"] for w in windows)
+        new = row[windows[0]]["new_tokens"]
+        lines.append(
+            f"| {row['category']} | {row['prompt_tokens']:,} | {new} | "
+            + " | ".join(cells)
+            + f" | {'yes' if same else 'NO'} |"
+        )
+    overall = [f"{tokens / seconds:.2f}" for tokens, seconds in totals.values()]
+    lines.append("| all | | | " + " | ".join(overall) + " | |")
+    return "\n".join(lines) + "\n"
+
+
+@click.command()
+@click.argument("bundle", type=click.Path(exists=True, path_type=Path))
+@click.option("--categories", default="summarization,rag", show_default=True)
+@click.option("--per-category", default=3, show_default=True)
+@click.option("--min-tokens", default=600, show_default=True, help="Longer prompts only.")
+@click.option("--windows", default="0,512", show_default=True, help="0: the whole prompt.")
+@click.option("--max-new-tokens", default=128, show_default=True)
+@click.option("--out", type=Path, default=Path("benchmarks/results/cpu-draft-window"))
+def main(bundle, categories, per_category, min_tokens, windows, max_new_tokens, out) -> None:
+    chosen = categories.split(",")
+    lengths = [int(w) for w in windows.split(",")]
+    rows = measure(
+        bundle,
+        lambda rt: prompts(rt, chosen, per_category, min_tokens),
+        lengths,
+        max_new_tokens,
+    )
+    result = {
+        "kind": "draft_window",
+        "machine": machine.describe(),
+        "command": f"python benchmarks/draft_window.py BUNDLE --categories {categories} "
+        f"--per-category {per_category} --min-tokens {min_tokens} --windows {windows} "
+        f"--max-new-tokens {max_new_tokens}",
+        "windows": lengths,
+        "max_new_tokens": max_new_tokens,
+        "rows": rows,
+    }
+    write_result(out, result, markdown(result))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()

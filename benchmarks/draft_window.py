@@ -8,7 +8,8 @@ slot; each run starts from the costs calibrated at load and a fresh acceptance p
 run's rounds do not set the next one's course. Decode: tokens after the first over their
 seconds, the draft model's catch-up included.
 
-    python benchmarks/draft_window.py BUNDLE [--categories summarization,rag] [--per-category 3]
+    python benchmarks/draft_window.py BUNDLE [--questions ../shared/specbench/question.jsonl] \
+        [--categories summarization,rag] [--per-category 3]
         [--windows 0,512] [--out benchmarks/results/cpu-draft-window]
 """
 
@@ -23,11 +24,11 @@ import click
 from specrt import machine
 from specrt.files import write_result
 
-SPECBENCH = Path(__file__).resolve().parents[2] / "shared" / "specbench" / "question.jsonl"
 
-
-def prompts(rt, categories: list[str], per_category: int, min_tokens: int) -> list[dict]:
-    questions = [json.loads(line) for line in SPECBENCH.read_text().splitlines() if line]
+def prompts(
+    rt, questions_file: Path, categories: list[str], per_category: int, min_tokens: int
+) -> list[dict]:
+    questions = [json.loads(line) for line in questions_file.read_text().splitlines() if line]
     picked = []
     for category in categories:
         long = [
@@ -110,18 +111,27 @@ def markdown(result: dict) -> str:
 
 @click.command()
 @click.argument("bundle", type=click.Path(exists=True, path_type=Path))
+@click.option(
+    "--questions",
+    type=click.Path(exists=True, path_type=Path),
+    default=Path("../shared/specbench/question.jsonl"),
+    show_default=True,
+    help="Spec-Bench's question.jsonl.",
+)
 @click.option("--categories", default="summarization,rag", show_default=True)
 @click.option("--per-category", default=3, show_default=True)
 @click.option("--min-tokens", default=600, show_default=True, help="Longer prompts only.")
 @click.option("--windows", default="0,512", show_default=True, help="0: the whole prompt.")
 @click.option("--max-new-tokens", default=128, show_default=True)
 @click.option("--out", type=Path, default=Path("benchmarks/results/cpu-draft-window"))
-def main(bundle, categories, per_category, min_tokens, windows, max_new_tokens, out) -> None:
+def main(
+    bundle, questions, categories, per_category, min_tokens, windows, max_new_tokens, out
+) -> None:
     chosen = categories.split(",")
     lengths = [int(w) for w in windows.split(",")]
     rows = measure(
         bundle,
-        lambda rt: prompts(rt, chosen, per_category, min_tokens),
+        lambda rt: prompts(rt, questions, chosen, per_category, min_tokens),
         lengths,
         max_new_tokens,
     )

@@ -234,13 +234,12 @@ class CallStream:
             calls += [call] if call is not None else []
             self.pending = self.pending[stop:]
         at = self.pending.find(start)
-        hold = (
-            0
-            if final
-            else len(self.pending) - at
-            if at >= 0
-            else partial_stop(self.pending, [start])
-        )
+        if final:
+            hold = 0
+        elif at >= 0:  # a block begun and not closed: held whole
+            hold = len(self.pending) - at
+        else:  # the end may begin the start marker
+            hold = partial_stop(self.pending, [start])
         content += self.pending[: len(self.pending) - hold]
         self.pending = self.pending[len(self.pending) - hold :]
         return content, calls

@@ -23,20 +23,20 @@ import click
 
 from specrt import machine
 from specrt.files import write_result
+from specrt.tools.prompts import load_prompts
 
 
 def prompts(
     rt, questions_file: Path, categories: list[str], per_category: int, min_tokens: int
 ) -> list[dict]:
-    questions = [json.loads(line) for line in questions_file.read_text().splitlines() if line]
+    """The first `per_category` first turns of each category longer than `min_tokens` as a
+    chat prompt, each with its length (`prompt_tokens`)."""
+    loaded = load_prompts([questions_file], categories)
+    for item in loaded:
+        item["prompt_tokens"] = len(rt.encode(item["messages"]))
     picked = []
     for category in categories:
-        long = [
-            {"category": category, "messages": [{"role": "user", "content": q["turns"][0]}]}
-            for q in questions
-            if q["category"] == category
-            and len(rt.encode([{"role": "user", "content": q["turns"][0]}])) > min_tokens
-        ]
+        long = [i for i in loaded if i["category"] == category and i["prompt_tokens"] > min_tokens]
         picked += long[:per_category]
     return picked
 
@@ -50,7 +50,7 @@ def measure(bundle: Path, picked_by, windows: list[int], max_new: int) -> list[d
     calibrated = copy.deepcopy(rt.costs)
     rows = []
     for item in picked_by(rt):
-        row = {"category": item["category"], "prompt_tokens": len(rt.encode(item["messages"]))}
+        row = {"category": item["category"], "prompt_tokens": item["prompt_tokens"]}
         for window in windows:
             rt.costs, rt.acceptance = copy.deepcopy(calibrated), PooledAcceptance()
             drafter = make_drafter("model", rt.draft, window=window or None)

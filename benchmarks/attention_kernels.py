@@ -3,18 +3,20 @@
 A graph of attention only (no projections: query, key and value come in as inputs), one layer
 per model layer, over a cache bound in place as the CPU engine binds it, in three forms:
 
-- `specrt`: what `exporter/graph.py` writes: new keys and values scattered into a
+- `specrt`: what the exporter writes (`exporter/attention.py`, the same code): the cache laid
+  out [batch, positions, kv_heads, head_dim]; a lone row bound at exactly the call's length is
+  read in place (each kv head's keys a strided matrix the fused MatMul reads), a batch sliced
+  row by row in a Loop.
+- `head-major`: what the exporter wrote before: new keys and values scattered into a
   [batch, kv_heads, capacity, head_dim] buffer, the buffer sliced to the call's length (a
   copy), each kv head's query heads folded into rows, QKᵀ, an additive mask, softmax, then V.
 - `gqa`: ONNX Runtime's fused `com.microsoft.GroupQueryAttention`, its past and present one
   shared buffer (in place, per-row lengths), as ONNX Runtime GenAI's builder emits it.
-- `strided`: no copy at all: the cache laid out [batch, capacity, kv_heads, head_dim] and bound
-  at exactly the call's length, so each kv head's keys are a strided [length, head_dim] matrix
-  that the fused MatMul reads in place (one row only: rows of a batch are not contiguous).
 
-For each: the median decode step at each context length, and whether a verify call of 4 tokens
-gives each position bit for bit what 4 one-token calls give (speculation rests on it), and
-whether a call of 2 rows x 4 tokens after a past runs (a batched verify).
+For each: the median decode step of one row at each context length and of 4 rows (a batch),
+whether a verify call of 4 tokens gives each position bit for bit what 4 one-token calls give
+(speculation rests on it), and whether a row scores the same beside another in a call of
+2 rows x 4 tokens after a past (a batched verify) as alone.
 
     python benchmarks/attention_kernels.py [--sizes 1000,4000,8000] [--layers 28 --heads 12
         --kv-heads 2 --head-dim 128] [--out benchmarks/results/cpu-attention-kernels]
@@ -24,7 +26,9 @@ from __future__ import annotations
 
 import statistics
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import click
 import numpy as np
@@ -33,18 +37,23 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from specrt import machine
+from specrt.exporter.attention import attend, call_shapes
 from specrt.files import write_result
 
-KINDS = ("specrt", "gqa", "strided")
+KINDS = ("specrt", "head-major", "gqa")
 RUNS = 12  # decode steps timed per kind and size
+BATCH, BATCH_CONTEXT = 4, 2000  # the batched decode step: rows, each row's context
 
 
 class _Graph:
+    """The little the exporter's attention asks of its graph builder."""
+
     def __init__(self):
-        self.nodes, self.inits = [], []
+        self.nodes, self.inits, self.batch = [], [], ""
+        self.cache, self.family = TensorProto.FLOAT, SimpleNamespace(attention_softcap=lambda: None)
 
     def op(self, op_type, *inputs, out=None, **attrs):
-        out = out or f"t{len(self.nodes)}"
+        out = out or f"t{len(self.nodes)}_{len(self.inits)}"
         domain = "com.microsoft" if op_type == "GroupQueryAttention" else None
         self.nodes.append(helper.make_node(op_type, list(inputs), [out], domain=domain, **attrs))
         return out
@@ -54,11 +63,19 @@ class _Graph:
         self.inits.append(onnx.numpy_helper.from_array(np.asarray(value, dtype), name))
         return name
 
+    @contextmanager
+    def branch(self):
+        outer, self.nodes = self.nodes, []
+        try:
+            yield self.nodes
+        finally:
+            self.nodes = outer
+
 
 def build(kind: str, layers: int, heads: int, kv: int, hd: int) -> onnx.ModelProto:
     """The attention-only graph of one kind (see the module's docstring)."""
-    g, f32 = _Graph(), TensorProto.FLOAT
-    cache = ["B", "C", kv, hd] if kind == "strided" else ["B", kv, "C", hd]
+    g, f32, i64 = _Graph(), TensorProto.FLOAT, TensorProto.INT64
+    cache = ["B", "C", kv, hd] if kind == "specrt" else ["B", kv, "C", hd]
     inputs = [
         helper.make_tensor_value_info(n, f32, ["B", "S", w * hd])
         for n, w in (("q", heads), ("k", kv), ("v", kv))
@@ -70,15 +87,17 @@ def build(kind: str, layers: int, heads: int, kv: int, hd: int) -> onnx.ModelPro
         ]
     else:
         inputs += [
-            helper.make_tensor_value_info("pos", TensorProto.INT64, ["B", "S"]),
-            helper.make_tensor_value_info("mask", f32, ["B", 1, "RS", "T"]),
-            helper.make_tensor_value_info("total", TensorProto.INT64, [1]),
+            helper.make_tensor_value_info("input_ids", i64, ["B", "S"]),
+            helper.make_tensor_value_info("attention_mask", i64, ["B", "T"]),
+            helper.make_tensor_value_info("position_ids", i64, ["B", "S"]),
+            helper.make_tensor_value_info("mask", f32, ["B", 1, 1, "S", "T"]),
         ]
+    shapes = call_shapes(g, kv, hd, 1e-6, heads // kv) if kind == "specrt" else None
     outputs, x = [], "q"
     for i in range(layers):
-        names = [f"past.{i}.key", f"past.{i}.value"]
+        names = [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
         inputs += [helper.make_tensor_value_info(n, f32, cache) for n in names]
-        present = [n.replace("past", "present") for n in names]
+        present = [f"present.{i}.key", f"present.{i}.value"]
         outputs += [helper.make_tensor_value_info(n, f32, cache) for n in present]
         if kind == "gqa":
             g.nodes.append(
@@ -93,49 +112,39 @@ def build(kind: str, layers: int, heads: int, kv: int, hd: int) -> onnx.ModelPro
             )
             x = f"o{i}"
             continue
-        x = _layer(g, kind, x, names, present, heads, kv, hd)
+        x = _layer(g, kind, i, x, shapes, heads, kv, hd)
     outputs.insert(0, helper.make_tensor_value_info("out", f32, ["B", "S", heads * hd]))
     g.op("Identity", x, out="out")
     graph = helper.make_graph(g.nodes, kind, inputs, outputs, initializer=g.inits)
-    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)]
     return helper.make_model(graph, opset_imports=opsets, ir_version=8)
 
 
-def _layer(g: _Graph, kind, x, names, present, heads, kv, hd) -> str:
-    """One layer of the `specrt` or `strided` form; returns its output [B, S, heads * hd]."""
-    rep, axis = heads // kv, 1 if kind == "strided" else 2
-    shape = [0, 0, kv, hd]
-    k, v = g.op("Reshape", "k", g.const(shape)), g.op("Reshape", "v", g.const(shape))
-    if kind == "specrt":
-        k, v = g.op("Transpose", k, perm=[0, 2, 1, 3]), g.op("Transpose", v, perm=[0, 2, 1, 3])
-    at = g.op(
-        "Expand",
-        g.op("Unsqueeze", "pos", g.const([2, 3] if axis == 1 else [1, 3])),
-        g.op("Shape", k),
-    )
-    keys = g.op("ScatterElements", names[0], at, k, out=present[0], axis=axis)
-    values = g.op("ScatterElements", names[1], at, v, out=present[1], axis=axis)
+def _layer(g: _Graph, kind, i, x, shapes, heads, kv, hd) -> str:
+    """One layer of the `specrt` or `head-major` form; returns its output [B, S, heads * hd]."""
+    rep = heads // kv
+    k = g.op("Reshape", "k", g.const([0, 0, kv, hd]))  # [B, S, kv, hd]
+    v = g.op("Reshape", "v", g.const([0, 0, kv, hd]))
     q = g.op("Reshape", x, g.const([0, 0, kv, rep, hd]))  # [B, S, kv, rep, hd]
     q = g.op("Reshape", g.op("Transpose", q, perm=[0, 2, 3, 1, 4]), g.const([0, kv, -1, hd]))
     q = g.op("Mul", q, g.const(hd**-0.5, np.float32))  # [B, kv, rep * S, hd]
     if kind == "specrt":
-        first, two = g.const([0]), g.const([2])
-        keys = g.op("Slice", keys, first, "total", two)
-        values = g.op("Slice", values, first, "total", two)
+        ctx = attend(g, i, q, k, v, shapes, "mask")
+    else:
+        k, v = g.op("Transpose", k, perm=[0, 2, 1, 3]), g.op("Transpose", v, perm=[0, 2, 1, 3])
+        at = g.op("Expand", g.op("Unsqueeze", "position_ids", g.const([1, 3])), g.op("Shape", k))
+        keys = g.op("ScatterElements", f"past_key_values.{i}.key", at, k, axis=2,
+                    out=f"present.{i}.key")  # fmt: skip
+        values = g.op("ScatterElements", f"past_key_values.{i}.value", at, v, axis=2,
+                      out=f"present.{i}.value")  # fmt: skip
+        total = g.op("Slice", g.op("Shape", "attention_mask"), g.const([1]), g.const([2]))
+        keys = g.op("Slice", keys, g.const([0]), total, g.const([2]))
+        values = g.op("Slice", values, g.const([0]), total, g.const([2]))
         scores = g.op("MatMul", q, g.op("Transpose", keys, perm=[0, 1, 3, 2]))
-        ctx = g.op("MatMul", g.op("Softmax", g.op("Add", scores, "mask"), axis=-1), values)
-    else:  # batch 1: [T, kv, hd] read per kv head as a strided matrix, fused with the MatMul
-        three = g.const([-1, kv, hd])
-        keys, values = g.op("Reshape", keys, three), g.op("Reshape", values, three)
-        q3 = g.op("Reshape", q, g.const([kv, -1, hd]))
-        scores = g.op("MatMul", q3, g.op("Transpose", keys, perm=[1, 2, 0]))
-        scores = g.op("Unsqueeze", scores, g.const([0]))
-        probs = g.op("Squeeze", g.op("Softmax", g.op("Add", scores, "mask"), axis=-1), g.const([0]))
-        ctx = g.op(
-            "Unsqueeze",
-            g.op("MatMul", probs, g.op("Transpose", values, perm=[1, 0, 2])),
-            g.const([0]),
-        )
+        grouped = g.op("Concat", g.const([0, kv, rep, -1]), total, axis=0)
+        scores = g.op("Add", g.op("Reshape", scores, grouped), "mask")
+        flat = g.op("Concat", g.const([0, kv, -1]), total, axis=0)
+        ctx = g.op("MatMul", g.op("Reshape", g.op("Softmax", scores, axis=-1), flat), values)
     ctx = g.op(
         "Transpose", g.op("Reshape", ctx, g.const([0, kv, rep, -1, hd])), perm=[0, 3, 1, 2, 4]
     )
@@ -153,13 +162,14 @@ class Kernel:
         options.add_session_config_entry("session.force_spinning_stop", "1")  # as the engine
         self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         kv, hd = dims["kv"], dims["hd"]
-        shape = [rows, capacity, kv, hd] if kind == "strided" else [rows, kv, capacity, hd]
+        shape = [rows, capacity, kv, hd] if kind == "specrt" else [rows, kv, capacity, hd]
         rng = np.random.default_rng(0)  # filled: every page of the context really read
         self.caches = [
             rng.standard_normal(shape, np.float32) * 0.5 for _ in range(2 * dims["layers"])
         ]
 
-    def run(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, lengths: list[int]) -> np.ndarray:
+    def run(self, q, k, v, lengths: list[int], first: int = 0) -> np.ndarray:
+        """One call of len(lengths) rows from slot `first`, each after its own past."""
         rows, width = q.shape[:2]
         total = max(lengths) + width
         bind = self.session.io_binding()
@@ -167,20 +177,19 @@ class Kernel:
         for name, value in (("q", q), ("k", k), ("v", v), *self._lengths(lengths, width)):
             bind.bind_cpu_input(name, value)
         kv, hd, positions = self.dims["kv"], self.dims["hd"], self.capacity
-        if self.kind == "strided":  # bound at exactly the call's length: nothing to slice
+        if self.kind == "specrt" and rows == 1:  # a lone row at its length, as the engine
             positions = total
+        shape = [rows, positions, kv, hd] if self.kind == "specrt" else [rows, kv, positions, hd]
         for j, buffer in enumerate(self.caches):
-            name = f"past.{j // 2}.{('key', 'value')[j % 2]}"
-            shape = (
-                [rows, positions, kv, hd] if self.kind == "strided" else [rows, kv, positions, hd]
-            )
+            name = f"past_key_values.{j // 2}.{('key', 'value')[j % 2]}"
+            address = buffer.ctypes.data + first * buffer[0].nbytes
             for bind_at, bound in (
                 (bind.bind_input, name),
-                (bind.bind_output, name.replace("past", "present")),
+                (bind.bind_output, name.replace("past_key_values", "present")),
             ):
-                bind_at(bound, "cpu", 0, np.float32, shape, buffer.ctypes.data)
+                bind_at(bound, "cpu", 0, np.float32, shape, address)
         self.session.run_with_iobinding(bind)
-        return bind.get_outputs()[0].numpy()
+        return bind.get_outputs()[0].numpy().copy()
 
     def _lengths(self, lengths: list[int], width: int) -> list[tuple[str, np.ndarray]]:
         total = max(lengths) + width
@@ -189,9 +198,13 @@ class Kernel:
             return [("seqlens_k", seqlens), ("total", np.asarray(total, np.int32))]
         pos = np.asarray(lengths)[:, None] + np.arange(width)
         allowed = np.arange(total)[None, None, :] <= pos[:, :, None]
-        mask = np.where(allowed, 0.0, np.finfo(np.float32).min).astype(np.float32)[:, None]
-        mask = np.tile(mask, (1, 1, self.dims["heads"] // self.dims["kv"], 1))
-        return [("pos", pos.astype(np.int64)), ("mask", mask), ("total", np.asarray([total]))]
+        mask = np.where(allowed, 0.0, np.finfo(np.float32).min).astype(np.float32)
+        return [
+            ("input_ids", np.zeros(pos.shape, np.int64)),
+            ("attention_mask", np.ones((len(lengths), total), np.int64)),
+            ("position_ids", pos.astype(np.int64)),
+            ("mask", mask[:, None, None]),
+        ]
 
 
 def _inputs(dims: dict, rows: int, width: int, rng) -> tuple[np.ndarray, ...]:
@@ -212,37 +225,50 @@ def verify_gap(kernel: Kernel, rng, past: int = 300, width: int = 4) -> float:
     return float(np.abs(whole - np.concatenate(steps, axis=1)).max())
 
 
-def batched_verify(kernel: Kernel, rng) -> str:
-    """Whether 2 rows x 4 tokens after a past run: 'runs', or the kernel's refusal."""
-    if kernel.kind == "strided":
-        return "one row only (a batch's rows are not contiguous at the call's length)"
+def beside_gap(kernel: Kernel, rng) -> str:
+    """Row 1 of a call of 2 rows x 4 tokens after pasts of 300 and 200, against that row alone:
+    'bit for bit', 'differs by ...', or the kernel's refusal."""
+    q, k, v = _inputs(kernel.dims, 2, 4, rng)
     try:
-        kernel.run(*_inputs(kernel.dims, 2, 4, rng), [300, 200])
+        both = kernel.run(q, k, v, [300, 200])
     except Exception as err:  # ONNX Runtime's own error types
         return str(err).split("Status Message: ")[-1].strip()
-    return "runs"
+    alone = kernel.run(q[1:], k[1:], v[1:], [200], first=1)
+    gap = float(np.abs(both[1:] - alone).max())
+    return "bit for bit" if gap == 0 else f"differs by {gap:.2g}"
+
+
+def _timed(kernels: dict, rows: int, lengths: list[int], rng) -> dict[str, float]:
+    """The median step of each kind over the same inputs, the kinds interleaved (a slow moment
+    costs every kind alike); a kind that refuses the call is left out."""
+    q, k, v = _inputs(next(iter(kernels.values())).dims, rows, 1, rng)
+    steps: dict[str, list[float]] = {}
+    for kind, kernel in kernels.items():
+        try:
+            kernel.run(q, k, v, lengths)  # warm
+            steps[kind] = []
+        except Exception:  # ONNX Runtime's own error types: this kind cannot run it
+            continue
+    for _ in range(RUNS):
+        for kind in steps:
+            start = time.perf_counter()
+            kernels[kind].run(q, k, v, lengths)
+            steps[kind].append(time.perf_counter() - start)
+    return {kind: round(1000 * statistics.median(times), 1) for kind, times in steps.items()}
 
 
 def measure(dims: dict, sizes: list[int], folder: Path) -> dict:
     rng = np.random.default_rng(1)
-    kernels = {kind: Kernel(kind, dims, max(sizes) + 64, 2, folder) for kind in KINDS}
-    steps: dict[str, dict[int, list[float]]] = {kind: {n: [] for n in sizes} for kind in KINDS}
-    for n in sizes:
-        q, k, v = _inputs(dims, 1, 1, rng)
-        for kernel in kernels.values():
-            kernel.run(q, k, v, [n])  # warm
-        for _ in range(RUNS):  # interleaved, so a slow moment costs every kind alike
-            for kind, kernel in kernels.items():
-                start = time.perf_counter()
-                kernel.run(q, k, v, [n])
-                steps[kind][n].append(time.perf_counter() - start)
+    capacity = max(*sizes, BATCH_CONTEXT) + 64
+    kernels = {kind: Kernel(kind, dims, capacity, BATCH, folder) for kind in KINDS}
+    decode = {n: _timed(kernels, 1, [n], rng) for n in sizes}
+    batched = _timed(kernels, BATCH, [BATCH_CONTEXT - 7 * r for r in range(BATCH)], rng)
     return {
         kind: {
-            "decode_ms": {
-                str(n): round(1000 * statistics.median(steps[kind][n]), 1) for n in sizes
-            },
+            "decode_ms": {str(n): decode[n].get(kind) for n in sizes},
+            "batch_ms": batched.get(kind),
             "verify_gap": verify_gap(kernels[kind], rng),
-            "batched_verify": batched_verify(kernels[kind], rng),
+            "beside": beside_gap(kernels[kind], rng),
         }
         for kind in KINDS
     }
@@ -255,20 +281,26 @@ def markdown(result: dict) -> str:
         "",
         f"Attention alone, {d['layers']} layers of {d['heads']} query heads over {d['kv']} kv "
         f"heads of {d['hd']} (the default target's shape), float32, the cache bound in place. "
-        f"Decode: the median of {RUNS} one-token steps per context length, the kinds "
-        "interleaved. Verify = decode: a call of 4 tokens against 4 calls of one, max "
-        f"|difference| (0: bit for bit). `{result['command']}`",
+        f"Decode: the median of {RUNS} one-token steps of one row per context length, and of "
+        f"{BATCH} rows of about {BATCH_CONTEXT:,} positions each, the kinds interleaved. Verify "
+        "= decode: a call of 4 tokens against 4 calls of one, max |difference| (0: bit for "
+        "bit). Beside another row: a row of a call of 2 rows x 4 tokens against that row alone. "
+        f"`{result['command']}`",
         "",
         "| form | "
         + " | ".join(f"decode at {n:,}" for n in sizes)
-        + " | verify = decode | 2 rows x 4 tokens after a past |",
-        "|---" * (len(sizes) + 3) + "|",
+        + f" | {BATCH} rows at {BATCH_CONTEXT:,} | verify = decode | beside another row |",
+        "|---" * (len(sizes) + 4) + "|",
     ]
     for kind, row in result["kinds"].items():
-        cells = [f"{row['decode_ms'][str(n)]:.1f} ms" for n in sizes]
+        cells = [_ms(row["decode_ms"][str(n)]) for n in sizes] + [_ms(row["batch_ms"])]
         gap = "bit for bit" if row["verify_gap"] == 0 else f"differs by {row['verify_gap']:.2g}"
-        lines.append(f"| {kind} | " + " | ".join(cells) + f" | {gap} | {row['batched_verify']} |")
+        lines.append(f"| {kind} | " + " | ".join(cells) + f" | {gap} | {row['beside']} |")
     return "\n".join(lines) + "\n"
+
+
+def _ms(value: float | None) -> str:
+    return "refused" if value is None else f"{value:.1f} ms"
 
 
 @click.command()

@@ -61,14 +61,16 @@ def test_bad_batched_calls_are_refused(bundles):
         engine.forward_rows([(1, [1] * (engine.capacity + 1))])
 
 
-def test_a_bundle_from_before_per_row_positions_serves_one_slot(bundles, tmp_path):
+def test_caches_without_a_margin_serve_one_slot(bundles, tmp_path):
+    """A padded row of a batched call writes past the longest row's context: without the margin
+    for it, the engine holds one slot."""
     import json
     import shutil
 
     old = tmp_path / "old"
     shutil.copytree(bundles["llama"], old)
     manifest = json.loads((old / "manifest.json").read_text())
-    del manifest["kv_cache"]
+    manifest["kv_cache"]["margin"] = 0
     (old / "manifest.json").write_text(json.dumps(manifest))
     bundle = Bundle.load(old)
     assert OrtEngine.from_bundle(bundle, "target").slots == 1

@@ -88,7 +88,7 @@ def test_graph_accepts_a_batch(pairs, bundles, arch):
     session = ort.InferenceSession(str(role.graph), providers=["CPUExecutionProvider"])
     shape = role.info["shape"]
     rows = np.array([TOKENS[:6], TOKENS[10:16]])
-    cache = np.zeros((2, shape["num_kv_heads"], 16, shape["head_dim"]), np.float32)
+    cache = np.zeros((2, 16, shape["num_kv_heads"], shape["head_dim"]), np.float32)
     feeds = {
         "input_ids": rows,
         "attention_mask": np.ones((2, 6), np.int64),

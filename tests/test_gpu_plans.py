@@ -70,13 +70,13 @@ def test_input_shapes_and_call_plan_for_the_tiny_models(bundles, arch):
     assert len(shapes) == 4 + 2 * 4
     assert shapes["input_ids"] == ((1, 2), (1, 5), (1, 9))
     assert shapes["attention_mask"] == ((1, 2), (1, 128), (1, 128))
-    assert shapes["past_key_values.3.value"] == ((1, 2, 128, 16),) * 3
+    assert shapes["past_key_values.3.value"] == ((1, 128, 2, 16),) * 3
     assert shapes["logits_to_keep"] == ((1,),) * 3
     # A batched engine: 1..slots rows, caches of max context + margin, totals into the margin.
     batched = input_shapes(verify, capacity=128, batch=4, margin=64, **dims)
     assert batched["input_ids"] == ((1, 2), (1, 5), (4, 9))
     assert batched["attention_mask"] == ((1, 2), (1, 128), (4, 192))
-    assert batched["past_key_values.0.key"] == ((1, 2, 192, 16), (1, 2, 192, 16), (4, 2, 192, 16))
+    assert batched["past_key_values.0.key"] == ((1, 192, 2, 16), (1, 192, 2, 16), (4, 192, 2, 16))
 
     plan = call_plan(
         bundle_profiles := plan_profiles(128, 8),
@@ -90,7 +90,7 @@ def test_input_shapes_and_call_plan_for_the_tiny_models(bundles, arch):
     assert bundle_profiles[plan.profile].name == "verify"
     assert plan.shapes["input_ids"] == plan.shapes["position_ids"] == (1, 5)
     assert plan.shapes["attention_mask"] == (1, 25)
-    assert plan.shapes["past_key_values.0.key"] == (1, 2, 128, 16)
+    assert plan.shapes["past_key_values.0.key"] == (1, 128, 2, 16)
     assert plan.positions.tolist() == [20, 21, 22, 23, 24] and (plan.keep, plan.read) == (5, 1)
     prefill = call_plan(bundle_profiles, count=30, start=0, keep=1, parity=0, capacity=128, **dims)
     assert (bundle_profiles[prefill.profile].name, prefill.read) == ("prefill", 0)
@@ -115,7 +115,7 @@ def test_tensorrt_provider_options_name_every_dynamic_input(bundles, arch):
         "position_ids:1x1",
         "attention_mask:1x1",
         "logits_to_keep:1",
-        "past_key_values.0.key:1x2x192x16",  # max context 128 + the 64-position margin
+        "past_key_values.0.key:1x192x2x16",  # max context 128 + the 64-position margin
     ]
     # The longest prompt leaves room for the longest window: 128 - 32 lookups - 1.
     assert maxs[0] == "input_ids:1x95" and maxs[2] == "attention_mask:1x192"
@@ -130,7 +130,7 @@ def test_tensorrt_provider_options_name_every_dynamic_input(bundles, arch):
         "logits_to_keep:5",
     ]
     batched = trt_profile_options(bundle, "draft", slots=4)["trt_profile_max_shapes"].split(",")
-    assert batched[16] == "input_ids:4x33" and batched[20] == "past_key_values.0.key:4x2x192x16"
+    assert batched[16] == "input_ids:4x33" and batched[20] == "past_key_values.0.key:4x192x2x16"
 
 
 def test_tensorrt_provider_keeps_a_float32_bundle_in_float32(bundles, monkeypatch):

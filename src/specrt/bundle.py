@@ -21,7 +21,9 @@ from pathlib import Path
 from specrt.errors import BundleError
 from specrt.files import sha256_file, write_json_atomic
 
-FORMAT_VERSION = 1
+# 2: caches laid out [batch, positions, kv_heads, head_dim] (exporter/attention.py); a bundle
+# of version 1 ([batch, kv_heads, positions, head_dim]) is refused with "rebuild the bundle".
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 STAMP = ".verified.json"
 ROLES = ("draft", "target")
@@ -82,12 +84,6 @@ class Bundle:
         """The longest window of free drafts (a lookup, a prediction) one verify call takes;
         bundles built before long windows: K_max (their verify shapes end there)."""
         return int(self.manifest.get("max_lookup", self.max_draft))
-
-    @property
-    def per_row_positions(self) -> bool:
-        """Whether the graphs give each batch row its own cache positions (bundles built
-        before batching share one length across the batch, so they serve one row at a time)."""
-        return self.manifest.get("kv_cache", {}).get("positions") == "per_row"
 
     @property
     def cache_margin(self) -> int:

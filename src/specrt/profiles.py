@@ -8,9 +8,10 @@ is tuned for its own typical case instead of one profile stretched across all th
 
 The plan is computed once at build time and recorded in the manifest; engines read it back and
 pick a profile by the number of new tokens. The cache buffers themselves have a fixed shape
-(`[1, kv_heads, max_context, head_dim]`, updated in place), so what varies per call is the new
-tokens (`input_ids`, `position_ids`) and the total length (`attention_mask`), plus the value of
-`logits_to_keep`, which sets an output shape and is therefore a shape input for TensorRT.
+(`[1, max_context, kv_heads, head_dim]`, updated in place: see `cache_dims`), so what varies per
+call is the new tokens (`input_ids`, `position_ids`) and the total length (`attention_mask`),
+plus the value of `logits_to_keep`, which sets an output shape and is therefore a shape input
+for TensorRT.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def input_shapes(
     def rows(low: int, opt: int, high: int, top: int = 0):
         return (1, low), (1, opt), (batch, high + top)
 
-    cache = (batch, num_kv_heads, capacity + margin, head_dim)
+    cache = cache_dims(batch, capacity + margin, num_kv_heads, head_dim)
     tokens = rows(profile.min_tokens, profile.opt_tokens, profile.max_tokens)
     shapes = {
         "input_ids": tokens,
@@ -121,6 +122,14 @@ def input_shapes(
         for kind in ("key", "value"):
             shapes[f"past_key_values.{i}.{kind}"] = ((1, *cache[1:]), (1, *cache[1:]), cache)
     return shapes
+
+
+def cache_dims(
+    batch: int, positions: int, num_kv_heads: int, head_dim: int
+) -> tuple[int, int, int, int]:
+    """A cache buffer's dims: laid out by position (exporter/attention.py). A compiled engine
+    binds the whole buffer."""
+    return (batch, positions, num_kv_heads, head_dim)
 
 
 def keep_values(profile: Profile) -> tuple[tuple[int], tuple[int], tuple[int]]:

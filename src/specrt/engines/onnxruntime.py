@@ -1,8 +1,10 @@
 """ONNX Runtime engine: the bundle's graph with its KV cache preallocated and updated in place.
 
-Each layer's key/value buffer is one OrtValue of [1, kv_heads, capacity, head_dim], bound through
-IOBinding as both the `past` input and the `present` output, so the graph scatters new entries
-into it and no step copies the cache. The current length lives in Python: rollback is setting an
+Each layer's key/value buffer is one OrtValue of [slots, capacity, kv_heads, head_dim], bound
+through IOBinding as both the `past` input and the `present` output, so the graph scatters new
+entries into it and no step copies the cache. A call of one row binds its slot at exactly the
+call's length, so the graph's attention reads the cache in place (exporter/attention.py); a call
+of several binds their slots whole. The current length lives in Python: rollback is setting an
 int, and the next call's attention_mask length tells the graph where to write. Logits land in a
 preallocated host buffer. Cache and logits take the graph's own float type (an fp16 graph keeps
 an fp16 cache); the runtime always receives float32 logits. Imports neither torch nor
@@ -55,11 +57,15 @@ def trt_profile_options(bundle: Bundle, role: str, slots: int = 1) -> dict[str, 
     gives its *values* (1 for a prefill, up to the window for a verify) rather than dims."""
     r = bundle.role(role)
     dims = {k: r.dim(k) for k in ("num_layers", "num_kv_heads", "head_dim")}
-    margin = bundle.cache_margin if bundle.per_row_positions else 0
+    margin = bundle.cache_margin
     lists: dict[str, list[str]] = {"min": [], "opt": [], "max": []}
     for profile in profiles_from_manifest(bundle.manifest):
         shapes = input_shapes(
-            profile, capacity=bundle.max_context, batch=slots, margin=margin, **dims
+            profile,
+            capacity=bundle.max_context,
+            batch=slots,
+            margin=margin,
+            **dims,
         )
         shapes["logits_to_keep"] = keep_values(profile)
         for name, bounds in shapes.items():
@@ -130,8 +136,8 @@ class OrtEngine(BufferCache):
         call on an even number of rows (see `_call`; `probe_rows` decides it)."""
         if slots > 1 and not margin:
             raise SpecrtError(
-                f"{graph}: this graph shares one cache length across the batch (built before "
-                "per-row positions); rebuild the bundle with this specrt to serve batches"
+                f"{graph}: no cache margin for the padding of a batched call (the bundle's "
+                "kv_cache.margin is 0); rebuild the bundle with this specrt to serve batches"
             )
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -162,7 +168,9 @@ class OrtEngine(BufferCache):
         types.update({o.name: o.type for o in self.session.get_outputs()})
         self._cache_type = FLOAT_TYPES[types["past_key_values.0.key"]]
         self._logits_type = FLOAT_TYPES[types["logits"]]
-        self._row_shape = [num_kv_heads, self._positions_held, head_dim]
+        # A lone row binds at its length, but TensorRT's profiles fix the caches' shape.
+        self._in_place = _name(providers[0]) != "TensorrtExecutionProvider"
+        self._row_shape = [self._positions_held, num_kv_heads, head_dim]
         self._pages: list[mmap.mmap] = []  # the CPU caches' mappings (see `release`)
         self._caches = [
             self._zeros([slots, *self._row_shape], f"past_key_values.{i}.{kind}")
@@ -170,7 +178,7 @@ class OrtEngine(BufferCache):
             for kind in ("key", "value")
         ]
         self._row_bytes = int(np.prod(self._row_shape)) * np.dtype(self._cache_type).itemsize
-        self._bound_rows = (0, 0)  # (first slot, rows) the caches are bound for
+        self._bound = (0, 0, 0)  # (first slot, rows, positions) the caches are bound for
         self._mask = np.ones((slots, self._positions_held), np.int64)
         self._logits = np.empty(slots * 16 * vocab_size, self._logits_type)  # grows as needed
 
@@ -224,16 +232,14 @@ class OrtEngine(BufferCache):
         super().release(slot, keep)
         if self.device != "cpu" or not hasattr(mmap, "MADV_DONTNEED"):
             return
-        heads, positions, head_dim = self._row_shape
-        per_position = self._row_bytes // (heads * positions)
-        for pages in self._pages:
-            for head in range(heads):
-                start = slot * self._row_bytes + (head * positions + keep) * per_position
-                end = slot * self._row_bytes + (head + 1) * positions * per_position
-                start = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages only
-                end = end // mmap.PAGESIZE * mmap.PAGESIZE
-                if start < end:
-                    pages.madvise(mmap.MADV_DONTNEED, start, end - start)
+        # The slot's positions from `keep` on are one span: the cache is laid out by position.
+        start = slot * self._row_bytes + keep * self._row_bytes // self._positions_held
+        end = (slot + 1) * self._row_bytes
+        start = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages only
+        end = end // mmap.PAGESIZE * mmap.PAGESIZE
+        if start < end:
+            for pages in self._pages:
+                pages.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     @classmethod
     def from_bundle(
@@ -260,7 +266,7 @@ class OrtEngine(BufferCache):
             head_dim=r.dim("head_dim"),
             vocab_size=r.dim("vocab_size"),
             capacity=bundle.max_context,
-            margin=bundle.cache_margin if bundle.per_row_positions else 0,
+            margin=bundle.cache_margin,
             **options,
         )
         if probe:
@@ -349,25 +355,25 @@ class OrtEngine(BufferCache):
             return False
         tokens = self.held(source)[:length]
         for _, _, host in self._caches:
-            host[slot, :, :length] = host[source, :, :length]
+            host[slot, :length] = host[source, :length]
         self._lengths[slot] = 0
         self._wrote(slot, tokens)
         return True
 
     def read_positions(self, slot: int, start: int, end: int) -> np.ndarray | None:
         """Every layer's keys and values at these positions, copied out of the slot's rows:
-        [caches, kv_heads, end - start, head_dim] (the host prefix store keeps them)."""
+        [caches, end - start, kv_heads, head_dim] (the host prefix store keeps them)."""
         check_slot(self, slot)
         check_rollback(self, end, slot)
         if self.device != "cpu":
             return None
-        return np.stack([host[slot, :, start:end] for _, _, host in self._caches])
+        return np.stack([host[slot, start:end] for _, _, host in self._caches])
 
     def write_positions(self, slot: int, tokens: Sequence[int], data: np.ndarray) -> None:
         start = self._lengths[slot]
         check_room(self, len(tokens), None, slot)
         for (_, _, host), values in zip(self._caches, data, strict=True):
-            host[slot, :, start : start + len(tokens)] = values
+            host[slot, start : start + len(tokens)] = values
         self._wrote(slot, tokens)
 
     def _check(self, slot: int, tokens: Sequence[int], last: int | None) -> int:
@@ -379,19 +385,17 @@ class OrtEngine(BufferCache):
     ) -> np.ndarray:
         n = ids.shape[0]
         bind = self._binding
-        if (first, n) != self._bound_rows:  # n cache rows from slot `first`, in place
+        shape = [n, *self._row_shape]
+        if self._in_place and n == 1:  # a lone row at exactly its length: read in place
+            shape[1] = total
+        if (first, n, shape[1]) != self._bound:  # n cache rows from slot `first`, in place
             offset = first * self._row_bytes
             for name, buffer, _ in self._caches:
                 for bind_at, bound in ((bind.bind_input, name), (bind.bind_output, _present(name))):
                     bind_at(
-                        bound,
-                        self.device,
-                        0,
-                        self._cache_type,
-                        [n, *self._row_shape],
-                        buffer.data_ptr() + offset,
+                        bound, self.device, 0, self._cache_type, shape, buffer.data_ptr() + offset
                     )
-            self._bound_rows = (first, n)
+            self._bound = (first, n, shape[1])
         bind.bind_cpu_input("input_ids", ids)
         bind.bind_cpu_input("attention_mask", self._mask[:n, :total])
         bind.bind_cpu_input("position_ids", positions)

@@ -5,9 +5,11 @@ tokens, in a one-token decode step and beside other requests in a batch. Some ke
 ONNX Runtime's MatMulNBits (int8/int4/gguf weights) takes activation rows in pairs and, on AVX2
 CPUs, gives an odd last row to a one-row kernel whose results differ (up to 0.3 in a logit on
 the int4 1.5B target); on AVX-512/VNNI CPUs the same build gives identical rows. So the engine
-does not assume either: at load it scores the same positions in calls of 1, 2 and 3 tokens and
-in one call of 4, compares bit for bit, and pads every call to an even number of rows only where
-they differ (a padded row is not free: about 17 ms on the int4 1.5B target).
+does not assume either: at load it scores the same positions in calls of 1, 2 and 3 tokens, in
+one call of 4 and, where it holds several slots, beside another row of other lengths in one
+call (a lone row's attention reads its cache in place, a batch's slices each row out:
+exporter/attention.py), compares bit for bit, and pads every call to an even number of rows only
+where they differ (a padded row is not free: about 17 ms on the int4 1.5B target).
 """
 
 from __future__ import annotations
@@ -66,8 +68,9 @@ class RowProbe:
 
 def cut_difference(engine: Engine) -> float:
     """The largest |difference| between the logits of the same positions scored in calls of
-    WIDTHS tokens and in one call of NEW tokens, after a PREFIX-token context in slot 0 (0.0
-    where every one is bit-identical). Leaves slot 0 empty."""
+    WIDTHS tokens and in one call of NEW tokens, after a PREFIX-token context in slot 0, and,
+    with two slots or more, in a call beside slot 1 (0.0 where every one is bit-identical).
+    Leaves slots 0 and 1 empty."""
     ids = [(17 + 31 * i) % engine.vocab_size for i in range(PREFIX + NEW)]
     engine.reset(0)
     engine.forward(ids[:PREFIX], last=1)
@@ -75,9 +78,21 @@ def cut_difference(engine: Engine) -> float:
     worst = 0.0
     for width in WIDTHS:
         engine.rollback(PREFIX)
-        part = engine.forward(ids[PREFIX : PREFIX + width])
-        if not np.array_equal(part, whole[:width]):
-            gap = float(np.max(np.abs(part - whole[:width])))
-            worst = max(worst, gap if gap > 0 else float("inf"))  # NaN: by how much, unknown
+        worst = max(worst, _gap(engine.forward(ids[PREFIX : PREFIX + width]), whole[:width]))
+    if getattr(engine, "slots", 1) > 1:
+        other = [(5 + 7 * i) % engine.vocab_size for i in range(PREFIX + NEW + 3)]
+        engine.reset(0)
+        engine.reset(1)
+        engine.forward_rows([(0, ids[:PREFIX]), (1, other[: PREFIX + 2])], last=1)
+        beside, _ = engine.forward_rows([(0, ids[PREFIX:]), (1, other[PREFIX + 2 :])])
+        worst = max(worst, _gap(beside, whole))
+        engine.reset(1)
     engine.reset(0)
     return worst
+
+
+def _gap(part: np.ndarray, whole: np.ndarray) -> float:
+    if np.array_equal(part, whole):
+        return 0.0
+    gap = float(np.max(np.abs(part - whole)))
+    return gap if gap > 0 else float("inf")  # NaN: by how much, unknown

@@ -35,7 +35,13 @@ import numpy as np
 from specrt.bundle import Bundle
 from specrt.engines.base import BufferCache, OneSlot, check_room
 from specrt.errors import SpecrtError
-from specrt.profiles import Profile, kept_rows, profiles_from_manifest, select_profile
+from specrt.profiles import (
+    Profile,
+    cache_dims,
+    kept_rows,
+    profiles_from_manifest,
+    select_profile,
+)
 
 INT64 = np.dtype(np.int64).itemsize
 ALIGNMENT = 256  # bytes: TensorRT's requirement for every I/O tensor address
@@ -74,12 +80,13 @@ def call_plan(
     head_dim: int,
     capacity: int,
 ) -> CallPlan:
-    """How to bind one forward of `count` new tokens after `start` cached ones."""
+    """How to bind one forward of `count` new tokens after `start` cached ones (the caches
+    whole: TensorRT's profiles fix their shape)."""
     total = start + count
     shapes = {"input_ids": (1, count), "position_ids": (1, count), "attention_mask": (1, total)}
     for i in range(num_layers):
         for kind in ("key", "value"):
-            shapes[f"past_key_values.{i}.{kind}"] = (1, num_kv_heads, capacity, head_dim)
+            shapes[f"past_key_values.{i}.{kind}"] = cache_dims(1, capacity, num_kv_heads, head_dim)
     return CallPlan(
         profile=select_profile(profiles, count, total),
         shapes=shapes,

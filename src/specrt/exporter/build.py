@@ -147,7 +147,7 @@ def build_bundle(
             "max_context": max_context,
             "max_draft": max_draft,
             "max_lookup": max_lookup,
-            "kv_cache": {"positions": "per_row", "margin": CACHE_MARGIN},
+            "kv_cache": {"positions": "per_row", "margin": CACHE_MARGIN, "layout": "by_position"},
             "profiles": {p.name: p.as_dict() for p in plan.profiles},
             "eos_token_ids": eos["target"],  # the target decides when text ends
             "chat_template": chat_template or tokenizers["target"].chat_template,

@@ -67,9 +67,10 @@ def _steps(
     import onnxruntime as ort
 
     session = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
-    capacity = sum(n for _, n in steps)
+    # Each call's cache at exactly its length, as the engine binds a lone row: the path the
+    # graph's attention takes to read it in place (exporter/attention.py).
     cache = {
-        i.name: np.zeros((1, shape.num_kv_heads, capacity, shape.head_dim), ORT_DTYPES[i.type])
+        i.name: np.zeros((1, 0, shape.num_kv_heads, shape.head_dim), ORT_DTYPES[i.type])
         for i in session.get_inputs()
         if i.name.startswith("past_key_values.")
     }
@@ -77,6 +78,7 @@ def _steps(
     position = 0
     for name, count in steps:
         new = ids[:, position : position + count]
+        grown = {k: np.pad(v, ((0, 0), (0, count), (0, 0), (0, 0))) for k, v in cache.items()}
         outputs = session.run(
             None,
             {
@@ -84,7 +86,7 @@ def _steps(
                 "attention_mask": np.ones((1, position + count), np.int64),
                 "position_ids": np.arange(position, position + count)[None],
                 "logits_to_keep": np.array([count]),
-                **cache,
+                **grown,
             },
         )
         for out_name, value in zip(output_names[1:], outputs[1:], strict=True):

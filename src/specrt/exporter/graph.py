@@ -12,24 +12,30 @@ I/O follows the optimum / GenAI naming so other tools recognise it:
     attention_mask       int64 [batch, total]              total = the longest row's past + new
     position_ids         int64 [batch, sequence]           each new token's position in its row
     logits_to_keep       int64 [1]                         score only the last n new positions
-    past_key_values.N.key|value  float [batch, kv_heads, capacity, head_dim]
+    past_key_values.N.key|value  float [batch, positions, kv_heads, head_dim]
  -> logits               float [batch, n, vocab]
-    present.N.key|value  float [batch, kv_heads, capacity, head_dim]
+    present.N.key|value  float [batch, positions, kv_heads, head_dim]
 
-The one difference from optimum's concat graphs: past and present are the same preallocated
-buffer (the bundle's max context plus a margin for padding). A token's position is its cache
-index: each new key/value is scattered in at its own position_ids entry, and a token at
-position p attends to its row's keys 0..p. Rows therefore keep their own lengths in one batch:
-a row with fewer new tokens than the call is padded after its real ones (at the next positions,
-which no real token sees and its next call overwrites). Bind each present output to its past
-input's buffer and ONNX Runtime updates it in place (no copy of the cache per step); rolling a
-row back is only smaller positions on its next call. `logits_to_keep` lets a prefill skip the
-vocabulary projection for every prompt position but the last.
+Two differences from optimum's concat graphs. Past and present are the same preallocated
+buffer (the bundle's max context plus a margin for padding), bound at `positions`: a lone row's
+at exactly the call's total (its attention then reads the cache in place), otherwise at the
+buffer's whole length. And that buffer is laid out position by position, not kv head by kv head
+(see attention.py: the layout that lets a lone row's attention skip the copy).
+
+A token's position is its cache index: each new key/value is scattered in at its own
+position_ids entry, and a token at position p attends to its row's keys 0..p. Rows therefore
+keep their own lengths in one batch: a row with fewer new tokens than the call is padded after
+its real ones (at the next positions, which no real token sees and its next call overwrites).
+Bind each present output to its past input's buffer and ONNX Runtime updates it in place (no
+copy of the cache per step); rolling a row back is only smaller positions on its next call.
+`logits_to_keep` lets a prefill skip the vocabulary projection for every prompt position but
+the last.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -37,6 +43,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from specrt.exporter.attention import CallShapes, attend, call_shapes, softcap
 from specrt.exporter.external_data import ExternalData
 from specrt.exporter.families import Family, family_of
 from specrt.exporter.projections import FloatProjections
@@ -102,6 +109,16 @@ class _Builder:
         node = helper.make_node(op_type, list(inputs), [name], name=name, domain=domain, **attrs)
         self.nodes.append(node)
         return name
+
+    @contextmanager
+    def branch(self) -> Iterator[list]:
+        """Nodes added inside go to the list it yields (an If branch, a Loop body), not to the
+        graph; they may read any value of the graph built so far."""
+        outer, self.nodes = self.nodes, []
+        try:
+            yield self.nodes
+        finally:
+            self.nodes = outer
 
     def const(self, value, dtype=np.int64, name: str | None = None) -> str:
         self.count += 1
@@ -215,19 +232,12 @@ def write_graph(
     return shape
 
 
-def _call_shapes(b: _Builder, shape: ModelShape, eps: float) -> tuple[_Attention, dict]:
-    """What every layer's attention reads of the call: where its keys and values go, its
-    score shapes, and its additive masks by sliding window."""
-    kv, hd = shape.num_kv_heads, shape.head_dim
-    rep = shape.num_heads // kv
-    # Shapes: S new tokens, T total (the longest row's past + new). Each row's token s sits
-    # at position_ids[b, s], which is also its cache index (rows have their own lengths).
-    ids_shape = b.op("Shape", "input_ids")
-    batch = b.batch = b.op("Slice", ids_shape, b.const([0]), b.const([1]))
-    seq = b.op("Slice", ids_shape, b.const([1]), b.const([2]))
-    total = b.op("Slice", b.op("Shape", "attention_mask"), b.const([1]), b.const([2]))
-    k_pos = b.op("Range", b.const(0), b.op("Squeeze", total, b.const([0])), b.const(1))
-
+def _call_shapes(b: _Builder, shape: ModelShape, eps: float) -> tuple[CallShapes, dict]:
+    """What every layer's attention reads of the call (attention.call_shapes), and its additive
+    masks by sliding window."""
+    rep = shape.num_heads // shape.num_kv_heads
+    a = call_shapes(b, shape.num_kv_heads, shape.head_dim, eps, rep)
+    k_pos = b.op("Range", b.const(0), b.op("Squeeze", a.total, b.const([0])), b.const(1))
     # Additive masks [B, 1, 1, S, T]: key t is seen by a token at position p when t <= p
     # (its row's own prefix and its earlier new tokens) and the attention mask allows it;
     # in a layer with a sliding window W, only when also t > p - W.
@@ -236,14 +246,7 @@ def _call_shapes(b: _Builder, shape: ModelShape, eps: float) -> tuple[_Attention
     keep = b.op("Cast", b.op("Unsqueeze", "attention_mask", b.const([1])), to=TensorProto.BOOL)
     allowed = b.op("And", causal, keep)
     windows = sorted(set(b.family.windows()), key=str)
-    masks = {w: _additive_mask(b, allowed, key_positions, w) for w in windows}
-
-    # Where this call's keys/values go in the cache buffer: each token at its own position.
-    kv_shape = b.op("Concat", batch, b.const([kv]), seq, b.const([hd]), axis=0)
-    scatter_at = b.op("Expand", b.op("Unsqueeze", "position_ids", b.const([1, 3])), kv_shape)
-    grouped_scores = b.op("Concat", batch, b.const([kv, rep]), seq, total, axis=0)
-    flat_scores = b.op("Concat", batch, b.const([kv, -1]), total, axis=0)
-    return _Attention(scatter_at, total, grouped_scores, flat_scores, eps, rep), masks
+    return a, {w: _additive_mask(b, allowed, key_positions, w) for w in windows}
 
 
 def _head(b: _Builder, x: str, embed, eps: float) -> None:
@@ -257,7 +260,7 @@ def _head(b: _Builder, x: str, embed, eps: float) -> None:
     tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in tensors
     head = "model.embed_tokens.weight" if tied else "lm_head.weight"
     logits = b.projections.head(b, x, head, embed if tied else None)
-    b.op("Identity", _softcap(b, logits, b.family.final_softcap()), out="logits")
+    b.op("Identity", softcap(b, logits, b.family.final_softcap()), out="logits")
 
 
 def _save(b: _Builder, shape: ModelShape, path: Path) -> None:
@@ -298,21 +301,8 @@ def _additive_mask(b: _Builder, allowed: str, key_positions: str, window: int | 
     )
 
 
-@dataclass(frozen=True)
-class _Attention:
-    """What every layer's attention shares: where keys/values go, the call's total length, the
-    score shapes of grouped-query attention, the norms' epsilon, query heads per kv head."""
-
-    scatter_at: str
-    total: str
-    grouped_scores: str
-    flat_scores: str
-    eps: float
-    rep: int
-
-
 def _decoder_layer(
-    b: _Builder, x: str, i: int, shape: ModelShape, a: _Attention, rotary: Rotary, mask: str
+    b: _Builder, x: str, i: int, shape: ModelShape, a: CallShapes, rotary: Rotary, mask: str
 ) -> str:
     """One block: x + attention(norm(x)), then x + mlp(norm(x)); a sandwich family (Gemma)
     also norms each block's output before adding it."""
@@ -331,7 +321,7 @@ def _decoder_layer(
 
 
 def _self_attention(
-    b: _Builder, h: str, i: int, shape: ModelShape, a: _Attention, rotary: Rotary, mask: str
+    b: _Builder, h: str, i: int, shape: ModelShape, a: CallShapes, rotary: Rotary, mask: str
 ) -> str:
     heads, kv, hd = shape.num_heads, shape.num_kv_heads, shape.head_dim
     source, prefix = f"model.layers.{i}.self_attn", f"layers.{i}.self_attn"
@@ -345,31 +335,15 @@ def _self_attention(
     q = _head_norm(b, project("q_proj", heads), f"{source}.q_norm", f"{prefix}.q_norm", a.eps)
     k = _head_norm(b, project("k_proj", kv), f"{source}.k_norm", f"{prefix}.k_norm", a.eps)
     q, k = _rope(b, q, rotary), _rope(b, k, rotary)
-    v = project("v_proj", kv)
+    k = b.op("Transpose", k, perm=[0, 2, 1, 3])  # [B, S, kv, hd]: the cache's layout
+    v = b.linear(h, f"{source}.v_proj", f"{prefix}.v_proj")
+    v = b.op("Reshape", v, b.const([0, 0, kv, hd]))
     if b.cache != TensorProto.FLOAT:  # kept at half size, computed with in float32
         k, v = b.op("Cast", k, to=b.cache), b.op("Cast", v, to=b.cache)
-    at, axis = a.scatter_at, 2
-    keys = b.op(
-        "ScatterElements", f"past_key_values.{i}.key", at, k, out=f"present.{i}.key", axis=axis
-    )
-    values = b.op(
-        "ScatterElements", f"past_key_values.{i}.value", at, v, out=f"present.{i}.value", axis=axis
-    )
-    first = b.const([0])
-    keys = b.op("Slice", keys, first, a.total, b.const([2]))
-    values = b.op("Slice", values, first, a.total, b.const([2]))
-    if b.cache != TensorProto.FLOAT:
-        keys = b.op("Cast", keys, to=TensorProto.FLOAT)
-        values = b.op("Cast", values, to=TensorProto.FLOAT)
-
     # Grouped-query attention without repeating K/V: fold each group's query heads into rows.
     q = b.op("Mul", q, b.const(b.family.attention_scale(hd), np.float32))
     q = b.op("Reshape", q, b.const([0, kv, -1, hd]))
-    scores = b.op("MatMul", q, b.op("Transpose", keys, perm=[0, 1, 3, 2]))
-    scores = _softcap(b, b.op("Reshape", scores, a.grouped_scores), b.family.attention_softcap())
-    scores = b.op("Add", scores, mask)
-    probs = b.op("Reshape", b.op("Softmax", scores, axis=-1), a.flat_scores)
-    ctx = b.op("Reshape", b.op("MatMul", probs, values), b.const([0, heads, -1, hd]))
+    ctx = b.op("Reshape", attend(b, i, q, k, v, a, mask), b.const([0, heads, -1, hd]))
     ctx = b.op("Reshape", b.op("Transpose", ctx, perm=[0, 2, 1, 3]), b.const([0, 0, heads * hd]))
     return b.linear(ctx, f"{source}.o_proj", f"{prefix}.o_proj")
 
@@ -380,14 +354,6 @@ def _mlp(b: _Builder, h: str, source: str, prefix: str) -> str:
     up = b.linear(h, f"{source}.mlp.up_proj", f"{prefix}.mlp.up_proj")
     act = b.op("Mul", b.family.activation(b, gate), up)
     return b.linear(act, f"{source}.mlp.down_proj", f"{prefix}.mlp.down_proj")
-
-
-def _softcap(b: _Builder, x: str, cap: float | None) -> str:
-    """tanh(x / cap) * cap where the family caps (Gemma 2), x itself where not."""
-    if cap is None:
-        return x
-    scaled = b.op("Tanh", b.op("Div", x, b.const(cap, np.float32)))
-    return b.op("Mul", scaled, b.const(cap, np.float32))
 
 
 def _rotary(b: _Builder, config, capacity: int, key: str | None, head_dim: int) -> Rotary:
@@ -402,7 +368,7 @@ def _rotary(b: _Builder, config, capacity: int, key: str | None, head_dim: int) 
 
 
 def _inputs(shape: ModelShape, cache_type: int) -> list:
-    cache = ["batch_size", shape.num_kv_heads, "capacity", shape.head_dim]
+    cache = ["batch_size", "positions", shape.num_kv_heads, shape.head_dim]
     inputs = [
         helper.make_tensor_value_info(
             "input_ids", TensorProto.INT64, ["batch_size", "sequence_length"]
@@ -424,7 +390,7 @@ def _inputs(shape: ModelShape, cache_type: int) -> list:
 
 
 def _outputs(shape: ModelShape, cache_type: int) -> list:
-    cache = ["batch_size", shape.num_kv_heads, "capacity", shape.head_dim]
+    cache = ["batch_size", "positions", shape.num_kv_heads, shape.head_dim]
     outputs = [
         helper.make_tensor_value_info(
             "logits", TensorProto.FLOAT, ["batch_size", "kept", shape.vocab_size]

@@ -17,7 +17,6 @@ from typing import Protocol
 
 from starlette.concurrency import run_in_threadpool
 
-from specrt.bundle import Bundle
 from specrt.errors import SpecrtError
 from specrt.runtime import Sequence, SpeculativeRuntime
 from specrt.runtime.budget import FITTING, KVBudget
@@ -96,13 +95,6 @@ class LocalService:
         s = self.settings
         try:
             slots = s.max_batch if s.backend.startswith("onnxruntime") else 1
-            if slots > 1 and not Bundle.load(s.bundle).per_row_positions:
-                log.warning(
-                    "%s was built before per-row cache positions: serving one request at a "
-                    "time; rebuild it with this specrt to batch",
-                    s.bundle,
-                )
-                slots = 1
             runtime = SpeculativeRuntime.load(
                 s.bundle,
                 backend=s.backend,

@@ -31,12 +31,12 @@ def _cached_bundle(path: Path, log: Log) -> bool:
     from specrt.bundle import Bundle
     from specrt.errors import BundleError
 
-    try:
-        bundle = Bundle.load(path)
-    except BundleError:
+    if not path.exists():
         return False
-    if not bundle.per_row_positions:
-        log(f"rebuilding {path}: it was built before per-row cache positions (batching)")
+    try:
+        Bundle.load(path)
+    except BundleError as err:  # one built by an older specrt, or damaged
+        log(f"rebuilding {path}: {err}")
         return False
     log(f"reusing cached bundle {path}")
     return True

@@ -111,9 +111,62 @@ def odd_row_variant(source: Path, out: Path, scale: float = 3.0) -> Path:
             helper.make_node("Add", ["logits_exact", "odd_rows_add"], ["logits"]),
         ]
     )
+    return _save_target(out, role, model)
+
+
+def row_by_row_variant(source: Path, out: Path) -> Path:
+    """A copy of a float32 bundle whose target scales each row's attention by 1 + 2^-10 in the
+    row-by-row path only (a batch, or a buffer bound wider than the call), never where a lone
+    row reads its cache in place: a row then scores otherwise beside others than alone."""
+    shutil.copytree(source, out)
+    role = Bundle.load(out).role("target")
+    model = onnx.load(str(role.graph), load_external_data=False)
+    for node in (n for n in model.graph.node if n.op_type == "If"):
+        rows = next(a.g for a in node.attribute if a.name == "else_branch")
+        loop = next(n for n in rows.node if n.op_type == "Loop")
+        body = next(a.g for a in loop.attribute if a.name == "body")
+        row = body.output[1].name
+        body.initializer.append(numpy_helper.from_array(np.float32(1 + 2**-10), f"{row}_by"))
+        body.node.append(helper.make_node("Mul", [row, f"{row}_by"], [f"{row}_scaled"]))
+        body.output[1].name = f"{row}_scaled"
+    return _save_target(out, role, model)
+
+
+def _save_target(out: Path, role, model: onnx.ModelProto) -> Path:
+    """Write the edited target graph back, and its new hash into the manifest."""
     onnx.save(model, str(role.graph))
     manifest_path = out / MANIFEST
     manifest = json.loads(manifest_path.read_text())
     manifest["roles"]["target"]["files"][role.info["graph"]] = sha256_file(role.graph)
     manifest_path.write_text(json.dumps(manifest, indent=2))
     return out
+
+
+def attention_paths_differ(graph: Path, prompt: int = 7, new: int = 3) -> float:
+    """The largest |difference| between the logits of one row (a prompt, then `new` tokens on
+    top) whose caches are bound at exactly each call's length, which the graph reads in place,
+    and bound wider, which it reads row by row (exporter/attention.py); 0.0: bit for bit."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs() if i.name.startswith("past_key_values.")]
+    ids = np.arange(11, 11 + prompt + new, dtype=np.int64)[None]
+    logits = []
+    for extra in (0, 5):
+        shape = next(i.shape for i in session.get_inputs() if i.name == names[0])
+        cache = {name: np.zeros((1, 0, *shape[2:]), np.float32) for name in names}
+        out = []
+        for start, end in ((0, prompt), (prompt, prompt + new)):
+            wider = {k: np.pad(v, ((0, 0), (0, end - start + extra), (0, 0), (0, 0)))
+                     for k, v in cache.items()}  # fmt: skip
+            values = session.run(None, {
+                "input_ids": ids[:, start:end],
+                "attention_mask": np.ones((1, end), np.int64),
+                "position_ids": np.arange(start, end)[None],
+                "logits_to_keep": np.array([end - start]),
+                **wider,
+            })  # fmt: skip
+            out.append(values[0])
+            cache = {k: v[:, :end] for k, v in zip(names, values[1:], strict=True)}
+        logits.append(np.concatenate(out, axis=1))
+    return float(np.max(np.abs(logits[0] - logits[1])))

@@ -6,8 +6,10 @@ is refused by the build's check."""
 from __future__ import annotations
 
 import pytest
+from row_checks import attention_paths_differ
 
 import specrt.exporter.graph as graph
+from specrt.bundle import Bundle
 from specrt.errors import SpecrtError
 from specrt.exporter.build import build_bundle
 from specrt.exporter.families import Family, family_of
@@ -133,6 +135,13 @@ def test_greedy_equals_transformers_for_64_tokens(folders, tmp_path, family):
         assert alone.token_ids == reference[0, len(prompt) :].tolist()
         speculated = rt.generate(prompt, max_new_tokens=64, ignore_eos=True, drafter="ngram")
         assert speculated.token_ids == alone.token_ids  # verify calls of several rows
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "qwen2-sliding", "phi4-mini"])
+def test_in_place_and_row_by_row_attention_agree(folders, tmp_path, family):
+    """Soft-caps, sliding windows and a partial rotary alike on both of attention's paths."""
+    target = Bundle.load(_build(folders[family], tmp_path / "b")).role("target")
+    assert attention_paths_differ(target.graph) == 0.0
 
 
 def test_windows_follow_the_config(folders):

@@ -28,14 +28,14 @@ def runtime(bundles) -> SpeculativeRuntime:
 
 def _positions(engine, slot: int, start: int, end: int) -> list[np.ndarray]:
     """Every layer's keys and values of a slot at these positions."""
-    return [host[slot, :, start:end] for _, _, host in engine._caches]
+    return [host[slot, start:end] for _, _, host in engine._caches]
 
 
 def test_a_released_slot_keeps_its_prefix_and_its_later_pages_read_as_zeros(bundles):
     engine = load_engine(Bundle.load(bundles["llama"]), "target", "onnxruntime", slots=2)
     engine.forward_rows([(1, TOKENS)], last=1)
     prefix = [a.copy() for a in _positions(engine, 1, 0, 10)]
-    later = _positions(engine, 1, 64, 100)  # whole pages past position 10 (64 bytes a head)
+    later = _positions(engine, 1, 64, 100)  # whole pages past position 10 (128 bytes each)
     assert all(a.any() for a in later)  # the control: written
     engine.release(1, 10)
     assert engine.lengths[1] == 10 and list(engine.held(1)) == TOKENS[:10]

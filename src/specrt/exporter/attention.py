@@ -31,12 +31,15 @@ from onnx import TensorProto, helper
 @dataclass(frozen=True)
 class CallShapes:
     """What every layer's attention reads of the call: where new keys and values go, the call's
-    total length, whether the cache is bound at exactly that length for one row, the score
-    shapes of one row, the norms' epsilon."""
+    total length, whether the cache is bound at exactly that length for one row, the rows and
+    the bound length (for the row-by-row path), the score shapes of one row, the norms'
+    epsilon."""
 
     scatter_at: str
     total: str
     exact: str  # bool scalar: one row, its buffer bound at `total` positions
+    rows: str  # scalar: the call's rows
+    bound: str  # [1]: the positions its caches are bound at
     grouped: str  # [kv, rep, -1, total]: one row's scores by query head group
     flat: str  # [kv, -1, total]: back to rows for the second MatMul
     eps: float
@@ -58,7 +61,8 @@ def call_shapes(b, kv: int, head_dim: int, eps: float, rep: int) -> CallShapes:
     scatter_at = b.op("Expand", b.op("Unsqueeze", "position_ids", b.const([2, 3])), kv_shape)
     grouped = b.op("Concat", b.const([kv, rep, -1]), total, axis=0)
     flat = b.op("Concat", b.const([kv, -1]), total, axis=0)
-    return CallShapes(scatter_at, total, exact, grouped, flat, eps, kv, head_dim)
+    rows = b.op("Squeeze", batch, b.const([0]))
+    return CallShapes(scatter_at, total, exact, rows, bound, grouped, flat, eps, kv, head_dim)
 
 
 def attend(b, i: int, q: str, k: str, v: str, a: CallShapes, mask: str) -> str:
@@ -90,11 +94,9 @@ def attend(b, i: int, q: str, k: str, v: str, a: CallShapes, mask: str) -> str:
 def _each_row(b, i: int, q: str, keys: str, values: str, a: CallShapes, mask: str):
     """The else branch: a Loop over the rows, each row's positions sliced out of the flattened
     [B * bound, kv, hd] buffer, then the lone row's ops; its scan output stacks the rows."""
-    batch = b.op("Squeeze", b.batch, b.const([0]))
-    bound = b.op("Slice", b.op("Shape", f"present.{i}.key"), b.const([1]), b.const([2]))
     row_index, go_on = f"layer{i}_row", f"layer{i}_go_on"
     with b.branch() as body:
-        start = b.op("Mul", b.op("Unsqueeze", row_index, b.const([0])), bound)
+        start = b.op("Mul", b.op("Unsqueeze", row_index, b.const([0])), a.bound)
         end, first = b.op("Add", start, a.total), b.const([0])
         row_keys = b.op("Slice", keys, start, end, first)
         row_values = b.op("Slice", values, start, end, first)
@@ -112,7 +114,7 @@ def _each_row(b, i: int, q: str, keys: str, values: str, a: CallShapes, mask: st
         [helper.make_tensor_value_info(kept, TensorProto.BOOL, []), _any(row)],
     )
     with b.branch() as nodes:
-        stacked = b.op("Loop", batch, "", body=loop_body)
+        stacked = b.op("Loop", a.rows, "", body=loop_body)
     return helper.make_graph(nodes, f"layer{i}_rows", [], [_any(stacked)])
 
 

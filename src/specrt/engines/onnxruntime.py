@@ -132,29 +132,15 @@ class OrtEngine(BufferCache):
         even_rows: bool = False,
     ):
         """margin: cache positions past capacity that the graph covers, for padding (a graph
-        from before per-row positions has none, and then holds one slot); even_rows: run every
-        call on an even number of rows (see `_call`; `probe_rows` decides it)."""
+        without one holds one slot); even_rows: run every call on an even number of rows (see
+        `_call`; `probe_rows` decides it)."""
         if slots > 1 and not margin:
             raise SpecrtError(
                 f"{graph}: no cache margin for the padding of a batched call (the bundle's "
                 "kv_cache.margin is 0); rebuild the bundle with this specrt to serve batches"
             )
-        options = ort.SessionOptions()
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        options.intra_op_num_threads = threads or default_threads()
-        options.inter_op_num_threads = 1
-        # The draft and the target run in turn: a session's threads spin while it runs and stop
-        # when its run ends, instead of spinning on the cores the other session needs. Measured
-        # on 2 cores with an int4 pair: 19.6 tokens/s with ONNX Runtime's default, 32.5-34.3
-        # with this (and 28-33 with spinning off altogether).
-        options.add_session_config_entry("session.force_spinning_stop", "1")
-        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         providers = list(providers or ["CPUExecutionProvider"])
-        try:
-            self.session = ort.InferenceSession(str(graph), options, providers=providers)
-        except Exception as err:  # ORT raises its own types for corrupt or unloadable graphs
-            raise SpecrtError(f"{graph}: ONNX Runtime cannot load this graph: {err}") from err
-        check_providers(providers, self.session.get_providers())
+        self.session = _session(graph, providers, threads)
         self.device = DEVICE_OF_PROVIDER.get(_name(providers[0]), "cpu")
         self.graph = graph
         self.vocab_size, self.slots = vocab_size, slots
@@ -407,6 +393,27 @@ class OrtEngine(BufferCache):
         bind.bind_output("logits", "cpu", 0, self._logits_type, list(out.shape), out.ctypes.data)
         self.session.run_with_iobinding(bind)
         return out
+
+
+def _session(graph: Path, providers: list, threads: int | None) -> ort.InferenceSession:
+    """The graph's session on these providers, or a clear error (a corrupt graph, a provider
+    that did not start)."""
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.intra_op_num_threads = threads or default_threads()
+    options.inter_op_num_threads = 1
+    # The draft and the target run in turn: a session's threads spin while it runs and stop
+    # when its run ends, instead of spinning on the cores the other session needs. Measured
+    # on 2 cores with an int4 pair: 19.6 tokens/s with ONNX Runtime's default, 32.5-34.3
+    # with this (and 28-33 with spinning off altogether).
+    options.add_session_config_entry("session.force_spinning_stop", "1")
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    try:
+        session = ort.InferenceSession(str(graph), options, providers=providers)
+    except Exception as err:  # ORT raises its own types for corrupt or unloadable graphs
+        raise SpecrtError(f"{graph}: ONNX Runtime cannot load this graph: {err}") from err
+    check_providers(providers, session.get_providers())
+    return session
 
 
 def _name(provider: str | tuple[str, dict]) -> str:

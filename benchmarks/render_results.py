@@ -32,6 +32,7 @@ RENDERERS = {
     "draft_window": "draft_window",
     "ceilings": "ceilings",
     "gguf_forms": "gguf_forms",
+    "kv_cache_types": "kv_cache_types",
     "grammar_engines": "grammar_engines",
     "long_context": "long_context",
     "prefill_chunks": "prefill_chunks",

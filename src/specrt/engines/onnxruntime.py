@@ -37,8 +37,8 @@ PROVIDER_OF_BACKEND = {
 }
 FLOAT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 # The most tokens of one row a call carries; a longer row goes in pieces. Measured on the
-# default pair, a 6,039-token prompt alone: fed whole, 133.6 s to the first token and a peak
-# RSS of 7.1 GB; in pieces of 512 tokens, 104.5 s and 3.4 GB; of 256, 99.3 s and 3.1 GB
+# default pair, a 6,039-token prompt alone: fed whole, 126.9 s to the first token and a peak
+# RSS of 7.0 GB; in pieces of 512 tokens, 87.6 s and 3.2 GB; of 256, 86.7 s and 2.9 GB
 # (docs/limits.md, "Long prompts").
 PIECE = 256
 

@@ -19,8 +19,10 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from specrt.bundle import MANIFEST, Bundle
+from specrt.bundle import MANIFEST, Bundle, Role
 from specrt.engines.onnxruntime import OrtEngine
+from specrt.exporter.check import _steps
+from specrt.exporter.graph import ModelShape
 from specrt.files import sha256_file
 from specrt.machine import describe, label
 
@@ -142,31 +144,14 @@ def _save_target(out: Path, role, model: onnx.ModelProto) -> Path:
     return out
 
 
-def attention_paths_differ(graph: Path, prompt: int = 7, new: int = 3) -> float:
-    """The largest |difference| between the logits of one row (a prompt, then `new` tokens on
+def attention_paths_differ(role: Role, steps=(("prompt", 7), ("new", 3))) -> float:
+    """The largest |difference| between the logits of one row (a prompt, then new tokens on
     top) whose caches are bound at exactly each call's length, which the graph reads in place,
     and bound wider, which it reads row by row (exporter/attention.py); 0.0: bit for bit."""
-    import onnxruntime as ort
-
-    session = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
-    names = [i.name for i in session.get_inputs() if i.name.startswith("past_key_values.")]
-    ids = np.arange(11, 11 + prompt + new, dtype=np.int64)[None]
-    logits = []
-    for extra in (0, 5):
-        shape = next(i.shape for i in session.get_inputs() if i.name == names[0])
-        cache = {name: np.zeros((1, 0, *shape[2:]), np.float32) for name in names}
-        out = []
-        for start, end in ((0, prompt), (prompt, prompt + new)):
-            wider = {k: np.pad(v, ((0, 0), (0, end - start + extra), (0, 0), (0, 0)))
-                     for k, v in cache.items()}  # fmt: skip
-            values = session.run(None, {
-                "input_ids": ids[:, start:end],
-                "attention_mask": np.ones((1, end), np.int64),
-                "position_ids": np.arange(start, end)[None],
-                "logits_to_keep": np.array([end - start]),
-                **wider,
-            })  # fmt: skip
-            out.append(values[0])
-            cache = {k: v[:, :end] for k, v in zip(names, values[1:], strict=True)}
-        logits.append(np.concatenate(out, axis=1))
-    return float(np.max(np.abs(logits[0] - logits[1])))
+    shape = ModelShape(**role.info["shape"])
+    ids = np.arange(11, 11 + sum(n for _, n in steps), dtype=np.int64)[None]
+    in_place, by_row = (
+        np.concatenate([logits for *_, logits in _steps(role.graph, shape, ids, steps, wider)], 1)
+        for wider in (0, 5)
+    )
+    return float(np.max(np.abs(in_place - by_row)))

@@ -141,7 +141,7 @@ def test_greedy_equals_transformers_for_64_tokens(folders, tmp_path, family):
 def test_in_place_and_row_by_row_attention_agree(folders, tmp_path, family):
     """Soft-caps, sliding windows and a partial rotary alike on both of attention's paths."""
     target = Bundle.load(_build(folders[family], tmp_path / "b")).role("target")
-    assert attention_paths_differ(target.graph) == 0.0
+    assert attention_paths_differ(target) == 0.0
 
 
 def test_windows_follow_the_config(folders):

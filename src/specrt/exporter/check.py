@@ -61,14 +61,15 @@ def sample_ids(tokenizer, vocab_size: int, count: int) -> np.ndarray:
 
 
 def _steps(
-    graph: Path, shape: ModelShape, ids: np.ndarray, steps=STEPS
+    graph: Path, shape: ModelShape, ids: np.ndarray, steps=STEPS, wider: int = 0
 ) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
-    """Yield (case name, new token ids, float32 logits) for each step, the cache carried over."""
+    """Yield (case name, new token ids, float32 logits) for each step, the cache carried over.
+    Each call's cache is bound at exactly its length, as the engine binds a lone row: the path
+    the graph's attention takes to read it in place (exporter/attention.py); `wider` positions
+    more send it down the row-by-row path instead (what a batch takes)."""
     import onnxruntime as ort
 
     session = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
-    # Each call's cache at exactly its length, as the engine binds a lone row: the path the
-    # graph's attention takes to read it in place (exporter/attention.py).
     cache = {
         i.name: np.zeros((1, 0, shape.num_kv_heads, shape.head_dim), ORT_DTYPES[i.type])
         for i in session.get_inputs()
@@ -78,7 +79,9 @@ def _steps(
     position = 0
     for name, count in steps:
         new = ids[:, position : position + count]
-        grown = {k: np.pad(v, ((0, 0), (0, count), (0, 0), (0, 0))) for k, v in cache.items()}
+        grown = {
+            k: np.pad(v, ((0, 0), (0, count + wider), (0, 0), (0, 0))) for k, v in cache.items()
+        }
         outputs = session.run(
             None,
             {
@@ -90,7 +93,7 @@ def _steps(
             },
         )
         for out_name, value in zip(output_names[1:], outputs[1:], strict=True):
-            cache[out_name.replace("present", "past_key_values")] = value
+            cache[out_name.replace("present", "past_key_values")] = value[:, : position + count]
         yield f"{name}_{count}", new, outputs[0].astype(np.float32)
         position += count
 

@@ -57,15 +57,10 @@ def trt_profile_options(bundle: Bundle, role: str, slots: int = 1) -> dict[str, 
     gives its *values* (1 for a prefill, up to the window for a verify) rather than dims."""
     r = bundle.role(role)
     dims = {k: r.dim(k) for k in ("num_layers", "num_kv_heads", "head_dim")}
-    margin = bundle.cache_margin
     lists: dict[str, list[str]] = {"min": [], "opt": [], "max": []}
     for profile in profiles_from_manifest(bundle.manifest):
         shapes = input_shapes(
-            profile,
-            capacity=bundle.max_context,
-            batch=slots,
-            margin=margin,
-            **dims,
+            profile, capacity=bundle.max_context, batch=slots, margin=bundle.cache_margin, **dims
         )
         shapes["logits_to_keep"] = keep_values(profile)
         for name, bounds in shapes.items():

@@ -13,14 +13,12 @@ prompt cache off). Each row runs in a process of its own, so its peak RSS
         [--llama-cpp DIR] [--out benchmarks/results/cpu-long-context-speculation]
 
 `--speculation` answers `--answer` tokens with the target alone, then with adaptive speculation
-whose draft model reads the prompt's first 4 and last 508 tokens (the default `--draft-window`
-of 512), then with one that reads it whole. The target alone and the default each pay their own
-prefill (prompt cache off): the default's first token includes the draft model reading its
-window alongside the target's prefill, and its decode starts with nothing to catch up on. The
-whole-prompt draft starts from the target's prefix in the slot (the prompt cache), so its first
-token is the draft model reading the whole prompt. Each run starts from the costs calibrated at
-load and no acceptance seen (a run's rounds would otherwise set the next one's course).
-`--task completion` sends the cut
+whose draft model reads the prompt's last 512 tokens (the default `--draft-window`) and with one
+that reads it whole. The target alone pays the prefill (its first token is the row's); the
+speculating runs start from the target's prefix in its slot (the prompt cache), so each pays
+only its own decode, the draft model's catch-up included, and each starts from the costs
+calibrated at load and no acceptance seen (a run's rounds would otherwise set the next one's
+course). `--task completion` sends the cut
 source as plain text to continue (code completion, as an editor sends a file) instead of a
 chat question about it. With `--llama-cpp DIR` (a folder with llama-server, or
 $SPECRT_LLAMA_CPP, or PATH), llama-server gets the same prompt's token ids on the bundle's GGUF
@@ -84,10 +82,10 @@ def one(bundle: str, size: int, piece: int) -> dict:
 
 
 def speculation_row(bundle: str, size: int, task: str, answer: int) -> dict:
-    """One size, in this process: the target alone, then adaptive speculation with the draft
-    model reading its window, then the whole prompt, each answering `answer` tokens after the
-    same prompt (the first two paying their own prefill, the last from the prefix in the
-    slot), each from the calibrated costs and a fresh acceptance pool."""
+    """One size, in this process: the target alone, then adaptive speculation reading the
+    prompt whole, then in its window, each answering `answer` tokens after the same prompt
+    (the speculating runs from the target alone's prefix in the slot), each from the
+    calibrated costs and a fresh acceptance pool."""
     from specrt.runtime import SpeculativeRuntime
     from specrt.runtime.controller import PooledAcceptance
     from specrt.runtime.drafters import DRAFT_WINDOW, make_drafter
@@ -99,13 +97,11 @@ def speculation_row(bundle: str, size: int, task: str, answer: int) -> dict:
     row = {"size": size, "prompt_ids": rt.encode(prompt), "window": DRAFT_WINDOW}
     runs = {
         "target": {"speculate": False},
-        "adaptive": {},
         "whole": {"drafter": make_drafter("model", rt.draft, window=None)},
+        "adaptive": {},
     }
-    cache = rt.prompt_cache
     for name, options in runs.items():
         rt.costs, rt.acceptance = copy.deepcopy(calibrated), PooledAcceptance()
-        rt.prompt_cache = cache if name == "whole" else None
         result = rt.generate(prompt, max_new_tokens=answer, ignore_eos=True, **options)
         s = result.stats
         row["prompt_tokens"] = s.prompt_tokens
@@ -186,15 +182,14 @@ def _speculation_markdown(result: dict) -> str:
         "",
         f"One request, greedy, {result.get('answer', ANSWER)} new tokens, the default draft "
         "and target; "
-        f"{TASKS[result.get('task', 'chat')]}. The target alone and the default (the draft "
-        f"reads its {result['rows'][0].get('window', 512)} tokens alongside the prefill) pay "
-        "their own prefill; the draft reading the whole prompt starts from the target's "
-        "prefix in the slot, so its first token is that reading. Decode: tokens after the "
-        f"first over their seconds; accepted: drafts the target kept. `{result['command']}`",
+        f"{TASKS[result.get('task', 'chat')]}. The target alone pays the prefill; the "
+        "speculating runs start from its prefix in the slot and pay their own decode, the draft "
+        "model's catch-up included (decode: tokens after the first over their seconds; "
+        f"accepted: drafts the target kept). `{result['command']}`",
         "",
-        "| prompt tokens | target alone: first token, decode tok/s | default, draft reads its "
-        "window: first token, tok/s, mean K, accepted | draft reads the whole prompt: its "
-        "reading, tok/s, mean K, accepted | gain | same output |",
+        "| prompt tokens | target alone: first token, decode tok/s | adaptive, draft reads the "
+        "whole prompt: tok/s, mean K, accepted | adaptive, draft reads its last "
+        f"{result['rows'][0].get('window', 512)}: tok/s, mean K, accepted | gain | same output |",
         "|---|---|---|---|---|---|",
     ]
     for row in result["rows"]:
@@ -204,7 +199,7 @@ def _speculation_markdown(result: dict) -> str:
         same = all(r["tokens"] == alone["tokens"] for r in (spec, whole) if r)
         lines.append(
             f"| {row['prompt_tokens']:,} | {alone['ttft_s']:.1f} s, "
-            f"{alone['decode_tokens_per_s']:.2f} | {_run_cell(spec)} | {_run_cell(whole)} | "
+            f"{alone['decode_tokens_per_s']:.2f} | {_run_cell(whole)} | {_run_cell(spec)} | "
             f"{gain:.2f}× | {'yes' if same else 'NO'} |"
         )
     if llama:
@@ -216,7 +211,7 @@ def _run_cell(run: dict | None) -> str:
     if run is None:
         return "–"
     kept = f"{run['accepted']}/{run['drafted']}" if "drafted" in run else "–"
-    return f"{run['ttft_s']:.1f} s, {run['decode_tokens_per_s']:.2f}, K {run['mean_k']:.1f}, {kept}"
+    return f"{run['decode_tokens_per_s']:.2f}, K {run['mean_k']:.1f}, {kept}"
 
 
 def _llama_markdown(result: dict) -> list[str]:
@@ -224,8 +219,8 @@ def _llama_markdown(result: dict) -> list[str]:
     commands = result["llama_server"]["commands"]
     lines = [
         "Beside llama-server on the same GGUF files and token ids (one slot, `cache_prompt` "
-        "off): the first token and decode speed of specrt's default (the draft reads its window "
-        "alongside the prefill), each as specrt's speed over llama-server's. "
+        "off): the first token (specrt's target alone) and decode speed (specrt adaptive), "
+        "each as specrt's speed over llama-server's. "
         + "; ".join(f"{name}: `{command}`" for name, command in commands.items()),
         "",
         "| prompt tokens | first token: specrt / llama-server | speed | decode tok/s: specrt "
@@ -233,7 +228,8 @@ def _llama_markdown(result: dict) -> list[str]:
         "|---|---|---|---|---|---|",
     ]
     for row in result["rows"]:
-        alone, spec, drafted = row["llama_alone"], row["adaptive"], row.get("llama_draft")
+        ours, alone = row["target"], row["llama_alone"]
+        spec, drafted = row["adaptive"], row.get("llama_draft")
         decode = spec["decode_tokens_per_s"]
         theirs = f"{alone['decode_tokens_per_s']:.2f}"
         versus = "–"
@@ -241,8 +237,8 @@ def _llama_markdown(result: dict) -> list[str]:
             theirs += f" / {drafted['decode_tokens_per_s']:.2f}"
             versus = f"{decode / drafted['decode_tokens_per_s']:.2f}×"
         lines.append(
-            f"| {row['prompt_tokens']:,} | {spec['ttft_s']:.1f} s / {alone['ttft_s']:.1f} s | "
-            f"{alone['ttft_s'] / spec['ttft_s']:.2f}× | {decode:.2f} / {theirs} | "
+            f"| {row['prompt_tokens']:,} | {ours['ttft_s']:.1f} s / {alone['ttft_s']:.1f} s | "
+            f"{alone['ttft_s'] / ours['ttft_s']:.2f}× | {decode:.2f} / {theirs} | "
             f"{decode / alone['decode_tokens_per_s']:.2f}× | {versus} |"
         )
     return lines

@@ -4,12 +4,9 @@ requests' rounds, and every output stays the one the request gives alone."""
 from __future__ import annotations
 
 import pytest
-from fixed_costs import FixedCosts, flat_costs
 
 from specrt.errors import SpecrtError
 from specrt.runtime import Scheduler, SpeculativeRuntime
-from specrt.runtime.controller import Adaptive
-from specrt.runtime.drafters import SINKS, make_drafter
 from specrt.serve import ServeSettings
 
 LONG = [(7 * i + 3) % 300 + 10 for i in range(61)]  # token ids: a 61-token prompt
@@ -103,47 +100,3 @@ def test_a_bad_chunk_is_refused(runtime, bundles):
         SpeculativeRuntime.load(bundles["llama"], calibrate=False, prefill_chunk=0)
     with pytest.raises(SpecrtError, match="--prefill-chunk"):
         ServeSettings(bundle=bundles["llama"], prefill_chunk=-1).check()
-
-
-def test_the_draft_model_reads_the_prompt_alongside_each_chunk(runtime):
-    """A request that would draft at once: its draft model reads its window of the prompt in
-    the same chunks as the target (the sinks with the first, the window with the last ones),
-    so its first round has only the first token to catch up on. One that would not (a budget
-    of one token, fixed:0, a reading its adaptive policy prices out) leaves the draft model's
-    slot empty."""
-    scheduler = Scheduler(runtime.target, runtime.costs, slots=2, chunk=8)
-    running = runtime.sequence(SHORT, max_new_tokens=40, ignore_eos=True, speculate=False)
-    scheduler.add(running)
-    scheduler.step()
-    drafter = make_drafter("model", runtime.draft, window=16)
-    joining = runtime.sequence(
-        LONG, max_new_tokens=8, ignore_eos=True, drafter=drafter, controller="fixed:3"
-    )
-    scheduler.add(joining)
-    read = []
-    while not joining.stops.length:
-        if scheduler.step().batch == 0:
-            read.append(runtime.draft.lengths[joining.slot])
-    # 61 tokens in chunks of 8: the sinks with the first, positions 49..60 with the last two
-    assert read == [SINKS] * 6 + [SINKS + 7, 16]
-    assert list(runtime.draft.held(joining.slot)) == [*LONG[:SINKS], *LONG[-(16 - SINKS) :]]
-    assert drafter.offer(joining.tokens, 3).lag == 1
-    dear = FixedCosts(draft={1: 0.002, 16: 1.0, 33: 2.0}, verify={1: 0.01, 33: 0.026})
-    for changes, reads in (
-        ({"max_new_tokens": 1}, 0),
-        ({"controller": "fixed:0"}, 0),
-        ({"controller": Adaptive(costs=dear)}, 0),  # a reading dearer than 40 tokens repay
-        ({"controller": Adaptive(costs=flat_costs())}, len(LONG)),  # the control
-    ):
-        quiet = runtime.sequence(LONG, ignore_eos=True, **{"max_new_tokens": 40, **changes})
-        scheduler.add(quiet)
-        while not quiet.stops.length:
-            scheduler.step()
-        assert runtime.draft.lengths[quiet.slot] == reads, changes
-        quiet.cancel()
-        while quiet.result is None:
-            scheduler.step()
-    while running.result is None or joining.result is None:
-        scheduler.step()
-    alone = runtime.generate(LONG, max_new_tokens=8, ignore_eos=True, speculate=False)
-    assert joining.result.token_ids == alone.token_ids

@@ -120,9 +120,9 @@ class ModelDrafter:
         self.model = self
 
     def start(self, prompt: Sequence[int], slot: int, cache: PromptCache | None) -> None:
-        """Only take the slot, with what a slot already holds of the prompt: the rest is read
-        alongside the target's prefill (`read`), or where nothing calls that, when a draft is
-        first asked for.
+        """Only take the slot, with what a slot already holds of the prompt: the rest is fed
+        when a draft is first asked for, so a request that never drafts (K = 0 in a busy batch)
+        never pays for the draft model's prefill.
 
         A prompt longer than the window is read as its first SINKS tokens and its last ones
         (StreamingLLM's attention sinks and recent window, as MagicDec drafts long contexts):
@@ -142,23 +142,6 @@ class ModelDrafter:
         if not self.skip or held >= SINKS:
             return seq[held + self.skip :]
         return [*seq[held:SINKS], *seq[SINKS + self.skip :]]
-
-    def read(self, prompt: Sequence[int], fed: int) -> None:
-        """Feed the draft model what the prompt's first `fed` tokens hold of its own sequence
-        and its cache does not. The prefill calls this with every chunk it feeds the target,
-        so the draft model reads the prompt alongside, in the same chunks (a windowed draft:
-        the sinks with the first chunk, its window with the last ones, nothing in between),
-        and a long prompt's first round has nothing left to catch up on: no catch-up call of
-        its own that would stall a batch, and no catch-up for the controller to price against
-        the answer (which kept K at 0 after a long chat prompt)."""
-        feed = self.placeholders(self.unread(prompt[:fed]))
-        if feed:
-            self.engine.forward_rows([(self.slot, feed)], last=1)
-
-    def placeholders(self, tokens: Sequence[int]) -> list[int]:
-        """tokens as the draft model reads them: one past its logits becomes its last id."""
-        last = self.engine.vocab_size - 1
-        return [min(token, last) for token in tokens]
 
     def offer(self, seq: Sequence[int], limit: int) -> Offer:
         return Offer("model", limit, len(seq) - self.skip - self.engine.lengths[self.slot])
@@ -203,13 +186,14 @@ def draft_together(jobs: Sequence[DraftJob]) -> tuple[list[Proposal], Steps]:
     row, for the confidence): timed around the call alone, the curve left out host work that
     drafting pays every step."""
     engine, ids = jobs[0].drafter.engine, jobs[0].drafter.ids
+    last = engine.vocab_size - 1
     proposals = [Proposal(list(job.prefix), [None] * len(job.prefix)) for job in jobs]
     bases = [job.constraints.position if job.constraints else 0 for job in jobs]
     for job in jobs:
         if job.constraints is not None:
             job.constraints.advance(job.prefix)
     feeds = {
-        i: job.drafter.placeholders([*job.drafter.unread(job.seq), *job.prefix])
+        i: [min(token, last) for token in [*job.drafter.unread(job.seq), *job.prefix]]
         for i, job in enumerate(jobs)
         if job.k
     }

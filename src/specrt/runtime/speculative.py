@@ -70,14 +70,11 @@ def prefill(
     req: Sequence, target: Engine, chunk: int | None = None
 ) -> tuple[int, list[TokenLogprob]] | None:
     """Feed the next `chunk` tokens of a started request's prompt (default: all that are left)
-    in a call of its own, and the draft model its share of them where it would draft at once
-    (`ModelDrafter.read`). Once the last is in, draw the first token from its logits and return
+    in a call of its own. Once the last is in, draw the first token from its logits and return
     it (and its log-probability where the request asked); None while the prompt goes on."""
     fed = target.lengths[req.slot]
     end = len(req.prompt) if chunk is None else min(len(req.prompt), fed + chunk)
     logits = target.forward_rows([(req.slot, req.prompt[fed:end])], last=1)[0]
-    if _reads_alongside(req, target.capacity):
-        req.drafter.model.read(req.prompt, end)
     if end < len(req.prompt):
         return None
     if req.constraints is not None:
@@ -87,23 +84,6 @@ def prefill(
         req.constraints.close_round([first])
     req.tokens.append(first)
     return first, _logprobs(req, logits, [first])
-
-
-def _reads_alongside(req: Sequence, capacity: int) -> bool:
-    """Whether the draft model reads the prompt alongside the target: where the request's policy,
-    alone, would draft at its first round with all of that reading still to pay (the price a
-    first round puts on it otherwise). The reading then costs what it would have, but in the
-    prefill's chunks, and the first token carries it, instead of a catch-up call of its own in
-    the first round that the whole batch waits for. Where the policy would not draft (a short
-    budget, fixed:0, a whole long prompt to read), the draft model reads nothing until a draft
-    is asked for: the same price decides, so one request's total time does not change."""
-    model = req.drafter.model if req.drafter is not None else None
-    room = min(req.max_new_tokens - 2, capacity - len(req.prompt) - 1)
-    if model is None or room < 1:
-        return False
-    lag = len(model.unread(req.prompt)) + 1  # the first token too
-    ctx = RoundContext(room, len(req.prompt) + 1, room + 1, "model", lag)
-    return req.policy.decide(ctx).k > 0
 
 
 def speculate(reqs: list[Sequence], target: Engine, costs: StepCosts) -> Round:

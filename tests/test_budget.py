@@ -14,6 +14,7 @@ from specrt.bundle import Bundle
 from specrt.engines import load_engine
 from specrt.errors import SpecrtError
 from specrt.runtime import KVBudget, Scheduler, SpeculativeRuntime
+from specrt.runtime.drafters import make_drafter
 from specrt.serve import ServeSettings
 
 TOKENS = np.random.default_rng(3).integers(3, 384, 100).tolist()
@@ -68,6 +69,40 @@ def test_a_budget_seats_what_fits_and_changes_no_output(runtime):
     need = max(len(p) for p in PROMPTS) + NEW
     outputs, most = _run(runtime, KVBudget(2 * need, [runtime.target, runtime.draft]))
     assert outputs == alone and most == 2
+
+
+def test_each_engine_counts_what_it_holds(runtime):
+    """A sequence's need weighs each engine's positions by what a position costs it: a draft
+    model that reads a long prompt's window holds that window and the answer; without a draft
+    model, nothing. The control: a draft reading the whole prompt needs the target's count.
+    Seated by that count, two windowed sequences fit where two whole-prompt ones do not, and
+    both give their outputs alone."""
+    t, d = runtime.target.position_bytes, runtime.draft.position_bytes
+    engines = [runtime.target, runtime.draft]
+    prompt = TOKENS[:40]
+
+    def sequence(window: int | None = None, **changes):
+        drafter = make_drafter("model", runtime.draft, window=window)
+        options = {"drafter": drafter, "max_new_tokens": 8, "ignore_eos": True, **changes}
+        return runtime.sequence(prompt, **options)
+
+    budget = KVBudget(1000, engines)
+    assert budget.need(sequence()) == 48
+    assert budget.need(sequence(window=12)) == (48 * t + 20 * d) / (t + d)
+    assert budget.need(sequence(speculate=False)) == 48 * t / (t + d)
+    alone = runtime.generate(prompt, max_new_tokens=8, ignore_eos=True, speculate=False)
+    for window, together in ((12, 2), (None, 1)):
+        budget = KVBudget(int(2 * budget.need(sequence(window=12))) + 1, engines)
+        scheduler = Scheduler(runtime.target, runtime.costs, slots=3, budget=budget)
+        pair = [sequence(window) for _ in range(2)]
+        for s in pair:
+            scheduler.add(s)
+        most = 0
+        while scheduler.busy:
+            scheduler.step()
+            most = max(most, scheduler.active)
+        assert most == together, window
+        assert all(s.result.token_ids == alone.token_ids for s in pair)
 
 
 def test_idle_slots_give_their_positions_back_to_make_room(runtime):

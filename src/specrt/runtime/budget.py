@@ -10,10 +10,18 @@ fit beside what the seated sequences may need and what the idle slots still hold
 prompt cache; to make room, idle slots give their memory back, the one released longest ago
 first. A sequence that could never fit is refused when it is added. A server without a
 budget of its own takes what most of the memory available at load holds (`fitting`).
+
+A position of the budget is one position in every engine (82 KB for the default pair), but
+the engines do not hold the same positions: a windowed draft model (drafters.py) reads a long
+prompt's first and last tokens only, and a request without a draft model leaves it idle. So a
+sequence's need is counted per engine and weighed by what a position costs each (`weights`):
+after a prompt of 8,000 tokens, the default pair's draft model holds about 500 positions, not
+8,000, and the budget seats a third more such conversations than if it counted 8,000 there.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Sequence
 
@@ -61,6 +69,10 @@ class KVBudget:
             raise SpecrtError(f"--kv-budget must be at least one position, got {positions}")
         self.positions = positions
         self.engines = [engine for engine in engines if engine is not None]
+        # What a position costs each engine, in any unit: bytes where the engines can say, else
+        # the target's positions alone (the others counted as holding as many).
+        costs = [getattr(e, "position_bytes", None) for e in self.engines]
+        self.weights = costs if None not in costs else [1] + [0] * (len(costs) - 1)
 
     @classmethod
     def parse(cls, spec: str, engines: Sequence[Engine | None]) -> KVBudget:
@@ -91,15 +103,31 @@ class KVBudget:
         full = slots * engines[0].capacity
         return cls(positions, engines) if positions < full else None
 
-    def need(self, sequence) -> int:
-        """The positions a sequence may come to hold: its prompt and every token it may emit,
-        within the context."""
+    def need(self, sequence) -> float:
+        """The positions a sequence may come to hold, in positions of every engine: in the
+        target its prompt and every token it may emit, within the context; in the draft model
+        what it reads of the prompt (all of it, or a window) and those tokens, or, without a
+        draft model, what its slot still holds."""
         capacity = self.engines[0].capacity
-        return min(capacity, len(sequence.prompt) + sequence.max_new_tokens)
+        target = min(capacity, len(sequence.prompt) + sequence.max_new_tokens)
+        if len(self.engines) == 1:
+            return target
+        model = sequence.drafter.model if sequence.drafter is not None else None
+        draft = 0
+        if model is not None:
+            read = min(len(sequence.prompt), model.window or len(sequence.prompt))
+            draft = min(target, read + sequence.max_new_tokens)
+        if sequence.slot is not None:
+            draft = max(draft, self.engines[1].lengths[sequence.slot])
+        return self._share([target, draft])
+
+    def _share(self, positions: Sequence[int]) -> float:
+        """Positions held in each engine, as positions of every engine."""
+        return sum(map(int.__mul__, positions, self.weights)) / sum(self.weights)
 
     def check(self, sequence) -> None:
         """Refuse a sequence no emptying of the slots would make room for."""
-        need = self.need(sequence)
+        need = math.ceil(self.need(sequence))
         if need > self.positions:
             raise SpecrtError(
                 f"the request may need {need} cache positions (a prompt of "
@@ -109,13 +137,13 @@ class KVBudget:
                 param="max_tokens",
             )
 
-    def make_room(self, reserved: int, idle: list[int], cache: PromptCache | None) -> bool:
+    def make_room(self, reserved: float, idle: list[int], cache: PromptCache | None) -> bool:
         """Whether `reserved` positions (what the seated sequences and the one joining may
         need) fit beside what the idle slots hold, after releasing idle slots in the order
         given (the one released longest ago first) as far as that takes; what they held goes
         to the cache's prefix store, where it has one."""
-        target = self.engines[0]
-        held = [(slot, target.lengths[slot]) for slot in idle if target.lengths[slot]]
+        held = [(slot, self._share([e.lengths[slot] for e in self.engines])) for slot in idle]
+        held = [(slot, length) for slot, length in held if length]
         cached = sum(length for _, length in held)
         for slot, length in held:
             if reserved + cached <= self.positions:

@@ -93,8 +93,10 @@ def markdown(result: dict) -> str:
     for row in result["rows"]:
         label = row["chunk"] or "whole prompt"
         speed = row["joining_prompt_tokens"] / row["joining_prefill_s"]
-        accepted, drafted = row.get("joining_accepted", (0, 0))
-        decode = f"{row.get('joining_decode_tokens_per_s', 0):.1f}, {accepted}/{drafted}"
+        decode = "–"  # not recorded before --joining
+        if "joining_accepted" in row:
+            accepted, drafted = row["joining_accepted"]
+            decode = f"{row['joining_decode_tokens_per_s']:.1f}, {accepted}/{drafted}"
         lines.append(
             f"| {label} | {row['longest_stall_s']:.2f} s | {row['streamed_tokens_per_s']:.1f} | "
             f"{row['joining_ttft_s']:.2f} s | {speed:.0f} | {decode} | "

@@ -144,6 +144,17 @@ def test_a_batched_draft_reports_each_step_by_its_rows(bundles):
     assert [len(p.tokens) for p in proposals] == [3, 3]
     assert [rows for rows, _ in steps] == [4, 2, 2]
     assert all(seconds > 0 for _, seconds in steps)
+    # A request far behind catches up in a call of its own, reported first by its rows, so
+    # that a catch-up is priced on measured calls of its size, not extrapolated from 33.
+    rt.draft.reset(0)
+    jobs[1].drafter.rollback(len(seqs[1]) - 1)  # one token behind again
+    far = [*range(20, 60), 7]
+    jobs = [
+        DraftJob(job.drafter, seq, 2, SamplingParams(), np.random.default_rng(0))
+        for job, seq in zip(jobs, (far, seqs[1]), strict=True)
+    ]
+    _, steps = draft_together(jobs)
+    assert [rows for rows, _ in steps] == [len(far) - 1, 2, 2]
 
 
 def test_lookup_drafters_by_name(runtimes):

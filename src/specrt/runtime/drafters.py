@@ -172,7 +172,7 @@ class DraftJob:
         return len(self.prefix) + self.k if self.room is None else self.room
 
 
-Steps = list[tuple[int, float]]  # per batched draft step: its rows (padding included), seconds
+Steps = list[tuple[int, float]]  # per draft call: its rows (padding included), seconds
 
 
 def draft_together(jobs: Sequence[DraftJob]) -> tuple[list[Proposal], Steps]:
@@ -181,10 +181,12 @@ def draft_together(jobs: Sequence[DraftJob]) -> tuple[list[Proposal], Steps]:
     beats drafting on) sits out the remaining steps. Its first step feeds each request what
     the draft model has not read yet (a request far behind catches up first, in a call of its
     own, which is not a step). Constraints end where they began: drafting walks them ahead and
-    steps them back. Also returns each step's rows and seconds, which refine the draft model's
-    cost curve; a step's seconds include drawing its tokens (a softmax over the vocabulary per
-    row, for the confidence): timed around the call alone, the curve left out host work that
-    drafting pays every step."""
+    steps them back. Also returns each call's rows and seconds (the catch-ups', then each
+    step's), which refine the draft model's cost curve: a catch-up is priced on that curve
+    (`StepCosts.catch_up_cost`), and calibration measures it only up to 33 tokens, from which a
+    window's 512 were priced 25 % dear on the default draft. A step's seconds include drawing
+    its tokens (a softmax over the vocabulary per row, for the confidence): timed around the
+    call alone, the curve left out host work that drafting pays every step."""
     engine, ids = jobs[0].drafter.engine, jobs[0].drafter.ids
     last = engine.vocab_size - 1
     proposals = [Proposal(list(job.prefix), [None] * len(job.prefix)) for job in jobs]
@@ -197,11 +199,13 @@ def draft_together(jobs: Sequence[DraftJob]) -> tuple[list[Proposal], Steps]:
         for i, job in enumerate(jobs)
         if job.k
     }
+    steps: Steps = []
     for i, feed in feeds.items():
         if ahead := catch_up_tokens(len(feed)):
+            start = time.perf_counter()
             engine.forward_rows([(jobs[i].drafter.slot, feed[:ahead])], last=1)
+            steps.append((ahead, time.perf_counter() - start))
             feeds[i] = feed[ahead:]
-    steps: Steps = []
     while feeds:
         calls = [(jobs[i].drafter.slot, feed) for i, feed in feeds.items()]
         width = max(len(feed) for feed in feeds.values())

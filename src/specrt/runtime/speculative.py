@@ -179,7 +179,8 @@ def _propose(reqs: list[Sequence], offers: list[Offer], decisions: list[Decision
 
 def _observe_costs(costs, drafted, steps: Steps, verify_s: float) -> None:
     """Refine the cost curves with what this round's calls took: the verify call, and each
-    batched step of the draft model by its rows (forced tokens and lookups cost it nothing)."""
+    call of the draft model (catch-ups and batched steps) by its rows (forced tokens and
+    lookups cost it nothing)."""
     costs.observe_verify(len(drafted) * (max(drafted) + 1), verify_s)
     for rows, seconds in steps:
         costs.observe_draft(rows, seconds)

@@ -29,8 +29,9 @@ SMOOTHING = 0.3  # weight of a new observation: follows load changes within a fe
 SPIKE = 1.5  # an observation counts at most this many times the estimate it refines
 PREFIX = 48  # tokens of context behind a calibration call, a typical short prompt
 # Draft calls of this many new tokens in one row: the curve a catch-up (the prompt, rounds served
-# by a lookup or at K = 0) is priced on, extrapolated past 33. With draft steps alone a one-slot
-# runtime knew one point of the draft curve, and priced every catch-up at nothing.
+# by a lookup or at K = 0) is priced on, extrapolated past 33 until the rounds measure catch-ups
+# of their own sizes (draft_together reports them). With draft steps alone a one-slot runtime
+# knew one point of the draft curve, and priced every catch-up at nothing.
 CATCH_UP_WIDTHS = [16, 33]
 
 

@@ -134,28 +134,30 @@ def run_bench(
         bundles, max_new_tokens, threads, stop_at_eos, wanted, record, guesses
     )
     compare_rows(rows, outputs)
-    settings = {
-        "max_new_tokens": max_new_tokens,
-        "stop_at_eos": stop_at_eos,
-        "repeat": repeat,
-        "greedy": True,
-        "prompts": len(prompts),
-        "precisions": [b.precision_label for b in bundles],
-        "prompt_sets": sorted({p["set"] for p in prompts}),
-        "categories": sorted(set(categories)),
-    }
+    settings = {"max_new_tokens": max_new_tokens, "stop_at_eos": stop_at_eos, "repeat": repeat}
     return {
         "kind": "bench",
         "bundle": str(paths[0]),
         "bundles": {b.precision_label: str(b.path) for b in bundles},
         "machine": machine.describe(threads),
-        "settings": settings,
+        "settings": {**settings, **_run_settings(bundles, prompts)},
         "configs": [asdict(r) for r in rows],
         "costs": costs,
         "row_padding": padding,
         "quality": {b.precision_label: recorded_quality(b) for b in bundles},
         "peak_rss_mb": peak_rss_mb(),
         "notes": notes,
+    }
+
+
+def _run_settings(bundles: list[Bundle], prompts: list[dict]) -> dict:
+    """What a run's rows share besides its options: greedy, its prompts and precisions."""
+    return {
+        "greedy": True,
+        "prompts": len(prompts),
+        "precisions": [b.precision_label for b in bundles],
+        "prompt_sets": sorted({p["set"] for p in prompts}),
+        "categories": sorted({p["category"] for p in prompts}),
     }
 
 

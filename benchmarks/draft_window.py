@@ -6,11 +6,14 @@ The prompts are the first turns of the categories' questions longer than --min-t
 messages). Per prompt, in one process: the target's prefill is paid once and reused from its
 slot; each run starts from the costs calibrated at load and a fresh acceptance pool, so one
 run's rounds do not set the next one's course. Decode: tokens after the first over their
-seconds, the draft model's catch-up included.
+seconds, the draft model's catch-up included. `--warm` adds, per window, a run from the costs
+as one long prompt (the first picked, answered once beforehand) left them, as a server's are
+after its first: calibration measures draft calls of up to 33 tokens, and the rounds then
+measure the catch-ups of a window's size.
 
     python benchmarks/draft_window.py BUNDLE [--questions ../shared/specbench/question.jsonl] \
         [--categories summarization,rag] [--per-category 3]
-        [--windows 0,512] [--out benchmarks/results/cpu-draft-window]
+        [--windows 0,512] [--warm] [--out benchmarks/results/cpu-draft-window]
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import click
 from specrt import machine
 from specrt.files import write_result
 from specrt.tools.prompts import load_prompts
+
+WARM = "warm"  # a column from the costs one long prompt refined
 
 
 def prompts(
@@ -41,22 +46,28 @@ def prompts(
     return picked
 
 
-def measure(bundle: Path, picked_by, windows: list[int], max_new: int) -> list[dict]:
+def measure(bundle: Path, picked_by, windows: list[int], max_new: int, warm: bool) -> list[dict]:
+    """Per prompt, a run per column (`columns`), each from its costs and a fresh pool."""
     from specrt.runtime import SpeculativeRuntime
     from specrt.runtime.controller import PooledAcceptance
     from specrt.runtime.drafters import make_drafter
 
     rt = SpeculativeRuntime.load(bundle)
-    calibrated = copy.deepcopy(rt.costs)
+    starts = {"": copy.deepcopy(rt.costs)}
+    picked = picked_by(rt)
+    if warm:
+        rt.generate(picked[0]["messages"], max_new_tokens=max_new)
+        starts[WARM] = copy.deepcopy(rt.costs)
     rows = []
-    for item in picked_by(rt):
+    for item in picked:
         row = {"category": item["category"], "prompt_tokens": item["prompt_tokens"]}
-        for window in windows:
-            rt.costs, rt.acceptance = copy.deepcopy(calibrated), PooledAcceptance()
-            drafter = make_drafter("model", rt.draft, window=window or None)
+        for column in columns(windows, warm):
+            window, _, start = column.partition(" ")
+            rt.costs, rt.acceptance = copy.deepcopy(starts[start]), PooledAcceptance()
+            drafter = make_drafter("model", rt.draft, window=int(window) or None)
             result = rt.generate(item["messages"], max_new_tokens=max_new, drafter=drafter)
             s = result.stats
-            row[str(window)] = {
+            row[column] = {
                 "new_tokens": s.new_tokens,
                 "decode_seconds": round(s.total_seconds - s.ttft_seconds, 3),
                 "mean_k": round(sum(s.ks) / max(1, len(s.ks)), 2),
@@ -69,13 +80,24 @@ def measure(bundle: Path, picked_by, windows: list[int], max_new: int) -> list[d
     return rows
 
 
+def columns(windows: list[int], warm: bool) -> list[str]:
+    """A run's keys: each window from calibrated costs ("512"), then from warmed ones."""
+    return [str(w) for w in windows] + ([f"{w} {WARM}" for w in windows] if warm else [])
+
+
+def _name(column: str) -> str:
+    window, _, start = column.partition(" ")
+    name = "whole prompt" if window == "0" else f"window {window}"
+    return f"{name}, warmed costs" if start else name
+
+
 def _rate(run: dict) -> float:
     return (run["new_tokens"] - 1) / run["decode_seconds"]
 
 
 def markdown(result: dict) -> str:
-    windows = [str(w) for w in result["windows"]]
-    names = ["whole prompt" if w == "0" else f"window {w}" for w in windows]
+    windows = result.get("columns") or [str(w) for w in result["windows"]]
+    names = [_name(w) for w in windows]
     lines = [
         "# The draft window on Spec-Bench's long-input prompts",
         "",
@@ -123,9 +145,10 @@ def markdown(result: dict) -> str:
 @click.option("--min-tokens", default=600, show_default=True, help="Longer prompts only.")
 @click.option("--windows", default="0,512", show_default=True, help="0: the whole prompt.")
 @click.option("--max-new-tokens", default=128, show_default=True)
+@click.option("--warm", is_flag=True, help="Also from costs one long prompt refined.")
 @click.option("--out", type=Path, default=Path("benchmarks/results/cpu-draft-window"))
 def main(
-    bundle, questions, categories, per_category, min_tokens, windows, max_new_tokens, out
+    bundle, questions, categories, per_category, min_tokens, windows, max_new_tokens, warm, out
 ) -> None:
     chosen = categories.split(",")
     lengths = [int(w) for w in windows.split(",")]
@@ -134,14 +157,16 @@ def main(
         lambda rt: prompts(rt, questions, chosen, per_category, min_tokens),
         lengths,
         max_new_tokens,
+        warm,
     )
     result = {
         "kind": "draft_window",
         "machine": machine.describe(),
         "command": f"python benchmarks/draft_window.py BUNDLE --categories {categories} "
         f"--per-category {per_category} --min-tokens {min_tokens} --windows {windows} "
-        f"--max-new-tokens {max_new_tokens}",
+        f"--max-new-tokens {max_new_tokens}" + (" --warm" if warm else ""),
         "windows": lengths,
+        "columns": columns(lengths, warm),
         "max_new_tokens": max_new_tokens,
         "rows": rows,
     }

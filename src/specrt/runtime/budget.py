@@ -16,7 +16,8 @@ the engines do not hold the same positions: a windowed draft model (drafters.py)
 prompt's first and last tokens only, and a request without a draft model leaves it idle. So a
 sequence's need is counted per engine and weighed by what a position costs each (`weights`):
 after a prompt of 8,000 tokens, the default pair's draft model holds about 500 positions, not
-8,000, and the budget seats a third more such conversations than if it counted 8,000 there.
+8,000, and the budget seats about 40 % more such conversations than if it counted 8,000 there
+(27 against 19 in 159,370 positions, answers of 16 tokens; docs/serving.md).
 """
 
 from __future__ import annotations

@@ -49,10 +49,12 @@ def test_a_released_slot_keeps_its_prefix_and_its_later_pages_read_as_zeros(bund
     assert np.array_equal(again, engine.forward_rows([(0, TOKENS)], last=1)[0])
 
 
-def _run(runtime, budget: KVBudget | None) -> tuple[list[list[int]], int]:
-    """The prompts through a 3-slot scheduler; their outputs and the most seated at once."""
+def _run(runtime, budget: KVBudget | None, sequences=None) -> tuple[list[list[int]], int]:
+    """Sequences (default: the prompts') through a 3-slot scheduler; their outputs and the most
+    seated at once."""
     scheduler = Scheduler(runtime.target, runtime.costs, slots=3, budget=budget)
-    sequences = [runtime.sequence(p, max_new_tokens=NEW, ignore_eos=True) for p in PROMPTS]
+    if sequences is None:
+        sequences = [runtime.sequence(p, max_new_tokens=NEW, ignore_eos=True) for p in PROMPTS]
     for sequence in sequences:
         scheduler.add(sequence)
     most = 0
@@ -93,16 +95,9 @@ def test_each_engine_counts_what_it_holds(runtime):
     alone = runtime.generate(prompt, max_new_tokens=8, ignore_eos=True, speculate=False)
     for window, together in ((12, 2), (None, 1)):
         budget = KVBudget(int(2 * budget.need(sequence(window=12))) + 1, engines)
-        scheduler = Scheduler(runtime.target, runtime.costs, slots=3, budget=budget)
-        pair = [sequence(window) for _ in range(2)]
-        for s in pair:
-            scheduler.add(s)
-        most = 0
-        while scheduler.busy:
-            scheduler.step()
-            most = max(most, scheduler.active)
+        outputs, most = _run(runtime, budget, [sequence(window) for _ in range(2)])
         assert most == together, window
-        assert all(s.result.token_ids == alone.token_ids for s in pair)
+        assert outputs == [alone.token_ids] * 2
 
 
 def test_idle_slots_give_their_positions_back_to_make_room(runtime):

@@ -93,9 +93,9 @@ def test_each_engine_counts_what_it_holds(runtime):
     assert budget.need(sequence(window=12)) == (48 * t + 20 * d) / (t + d)
     assert budget.need(sequence(speculate=False)) == 48 * t / (t + d)
     alone = runtime.generate(prompt, max_new_tokens=8, ignore_eos=True, speculate=False)
+    two_windowed = KVBudget(int(2 * budget.need(sequence(window=12))) + 1, engines)
     for window, together in ((12, 2), (None, 1)):
-        budget = KVBudget(int(2 * budget.need(sequence(window=12))) + 1, engines)
-        outputs, most = _run(runtime, budget, [sequence(window) for _ in range(2)])
+        outputs, most = _run(runtime, two_windowed, [sequence(window) for _ in range(2)])
         assert most == together, window
         assert outputs == [alone.token_ids] * 2
 

@@ -124,7 +124,8 @@ class KVBudget:
 
     def _share(self, positions: Sequence[int]) -> float:
         """Positions held in each engine, as positions of every engine."""
-        return sum(map(int.__mul__, positions, self.weights)) / sum(self.weights)
+        held = sum(n * weight for n, weight in zip(positions, self.weights, strict=True))
+        return held / sum(self.weights)
 
     def check(self, sequence) -> None:
         """Refuse a sequence no emptying of the slots would make room for."""

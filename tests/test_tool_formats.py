@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 from specrt.bundle import Bundle
 from specrt.exporter.build import build_bundle
 from specrt.exporter.tiny import make_tiny_pair
-from specrt.runtime.grammar import Grammars
+from specrt.runtime.grammar import Grammars, Structure
 from specrt.runtime.text import TextTokenizer
 from specrt.serve import ServeSettings
 from specrt.serve.tool_formats import FORMATS, LLAMA3, MISTRAL, PYTHONIC, CallStream, choose
@@ -257,3 +257,80 @@ def test_a_marker_that_is_a_special_token_works_end_to_end(tmp_path):
     ids = tokenizer.encode("[TOOL_CALLS][", add_special_tokens=False)
     assert ids[0] == marker and tokenizer.decode(ids) == "[TOOL_CALLS]["  # kept
     assert TextTokenizer(folder, None).decode(ids) == "["  # the control: dropped without keep
+
+
+# A complete set of calls in each format, after which the turn may end.
+CALLS = {
+    "hermes": '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>',
+    "mistral": '[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "UTC"}}]',
+    "phi4_mini_json": 'functools[{"name": "get_time", "arguments": {"zone": "UTC"}}]',
+    "pythonic": '[get_time(zone="UTC")]',
+    "llama3_json": '{"name": "get_time", "parameters": {"zone": "UTC"}}',
+}
+
+
+@pytest.mark.parametrize("name", list(CALLS))
+def test_whitespace_after_a_call_never_promises_another(roomy, name):
+    """`required` with parallel calls: after a complete call, whatever whitespace the grammar
+    admits, the end of the turn stays admitted. The control: Hermes' grammar before this
+    admitted a newline after a call and then only another call (`start: call ("\\n" call)*`)."""
+    target = Bundle.load(roomy).role("target")
+    eos = Bundle.load(roomy).eos_token_ids
+    grammars = Grammars(target.folder / "tokenizer.json", target.dim("vocab_size"), eos)
+    vocabulary = Tokenizer.from_file(str(target.folder / "tokenizer.json"))
+    form = FORMATS[name]
+    structure = Tools([WEATHER, ZONE], "required", True).structure(grammars, form)
+    old = structure.value.replace('start: call ("\\n" call)* "\\n"?', 'start: call ("\\n" call)*')
+    for lark, ends in ((structure.value, True), (old, name != "hermes")):
+        grammar = grammars.compile(Structure("lark", lark))
+        calls = vocabulary.encode(CALLS[name], add_special_tokens=False).ids
+        assert grammar.accepts(calls) == len(calls), name
+        for token in calls:
+            grammar.consume(token)
+        assert grammar.allowed(len(calls))[eos].all(), name
+        for space in ("\n", " ", "\n\n", " \n"):
+            walk = grammar.copy()
+            tokens = vocabulary.encode(space, add_special_tokens=False).ids
+            if walk.accepts(tokens) < len(tokens):
+                continue  # not admitted here: the turn can only end or go on with a call
+            for token in tokens:
+                walk.consume(token)
+            assert walk.allowed(len(calls) + len(tokens))[eos].all() == ends, (name, space)
+
+
+@pytest.fixture(scope="module", params=["hermes", *TEMPLATES])
+def any_format(request, roomy, tmp_path_factory):
+    """The server in each format: Hermes in the tiny model's own Qwen2.5 template."""
+    path = None
+    if request.param != "hermes":
+        path = tmp_path_factory.mktemp("templates") / f"{request.param}.jinja"
+        path.write_text(TEMPLATES[request.param])
+    settings = ServeSettings(bundle=roomy, model_name="tiny", calibrate=False, chat_template=path)
+    with serving(settings) as (base, _):
+        wait_healthy(base)
+        yield client(base, timeout=60), FORMATS[request.param]
+
+
+def test_required_with_several_tools_ends_in_tool_calls(any_format, roomy):
+    """`required`, parallel calls on, from a model that writes a newline after a call where
+    it may and would rather end the turn than call again (a tiny model told so by logit_bias:
+    newline +30, end of turn +20, a comma -30, so a list closes). Every format ends with
+    tool_calls well before max_tokens; Hermes' grammar before this change forced a call after
+    each newline, until max_tokens (test_whitespace_after_a_call_never_promises_another)."""
+    api, form = any_format
+    folder = Bundle.load(roomy).role("target").folder
+    vocabulary = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    first = {t: vocabulary.encode(t, add_special_tokens=False).ids[0] for t in ("\n", ",")}
+    bias = {first["\n"]: 30, vocabulary.token_to_id("<|im_end|>"): 20, first[","]: -30}
+    options = {"tools": [WEATHER, ZONE], "tool_choice": "required", "max_tokens": 200}
+    replies = [
+        _chat(api, off=off, logit_bias={str(t): b for t, b in bias.items()}, **options)
+        for off in (False, True)
+    ]
+    for reply in replies:
+        assert reply.choices[0].finish_reason == "tool_calls", (form.name, reply.choices[0])
+        assert reply.usage.completion_tokens < 100
+        assert reply.choices[0].message.tool_calls
+    assert [c.function.arguments for c in replies[0].choices[0].message.tool_calls] == [
+        c.function.arguments for c in replies[1].choices[0].message.tool_calls
+    ]

@@ -139,7 +139,10 @@ class ToolFormat:
         one = f"({alternatives})"
         if self.end is not None:
             call = f'call: {literal(self.start)} "\\n" {one} "\\n" {literal(self.end)}'
-            more = '("\\n" call)*' if several else ""
+            # Calls are a newline apart, as the templates write them, and that newline must
+            # not promise another call: the end stays reachable after it. (A model that writes
+            # a newline after each call, as Qwen2.5 does, was forced into calls until max_tokens.)
+            more = '("\\n" call)* "\\n"?' if several else ""
             return [f"start: call {more}".strip(), call]
         sep = json.dumps(self.separator)
         calls = f"call ({sep} call)*" if several else "call"

@@ -49,6 +49,7 @@ PARAMS = {
     "temperature": SamplingParams(temperature=1.5),
     "top_k": SamplingParams(temperature=1.0, top_k=3),
     "top_p": SamplingParams(temperature=0.8, top_p=0.7),
+    "min_p": SamplingParams(temperature=1.2, min_p=0.3),
 }
 
 

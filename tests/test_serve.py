@@ -229,6 +229,8 @@ BAD_REQUESTS = [  # (endpoint, body, param, code or None, words of the message)
     ("completions", {"prompt": "x", "temperature": -0.5}, "temperature", None, ">= 0"),
     ("completions", {"prompt": "x", "top_p": 0}, "top_p", None, "(0, 1]"),
     ("completions", {"prompt": "x", "top_p": 1.5}, "top_p", None, "(0, 1]"),
+    ("completions", {"prompt": "x", "min_p": 1.5}, "min_p", None, "[0, 1]"),
+    ("completions", {"prompt": "x", "min_p": -0.1}, "min_p", None, "[0, 1]"),
     ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens", None, "greater than 0"),
     ("completions", {"prompt": "x", "n": 0}, "n", None, "n must be 1 to 16"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 17}, "n", None,

@@ -56,6 +56,10 @@ def test_top_k_and_top_p_keep_the_right_tokens():
     np.testing.assert_allclose(nucleus, np.array([0.5, 0.2, 0.15, 0, 0]) / 0.85)
     hot = probabilities(logits, SamplingParams(temperature=2.0))
     np.testing.assert_allclose(hot, np.sqrt(plain) / np.sqrt(plain).sum())
+    floor = probabilities(logits, SamplingParams(temperature=1.0, min_p=0.3))  # >= 0.15
+    np.testing.assert_allclose(floor, np.array([0.5, 0.2, 0.15, 0, 0]) / 0.85)
+    both = probabilities(logits, SamplingParams(temperature=1.0, min_p=0.3, top_p=0.6))
+    np.testing.assert_allclose(both, [0.5 / 0.85 / (0.7 / 0.85), 0.2 / 0.7, 0, 0, 0])
 
 
 def test_residual_is_what_the_target_still_owes():

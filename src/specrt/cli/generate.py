@@ -33,6 +33,9 @@ def _structure(json_schema: Path | None, grammar: Path | None, regex: str | None
 @click.option("--temperature", default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-k", default=0, show_default=True, help="0 = off.")
 @click.option("--top-p", default=1.0, show_default=True, help="1 = off.")
+@click.option(
+    "--min-p", default=0.0, show_default=True, help="Keep tokens at least this share of the best."
+)
 @click.option("--seed", type=int, default=None, help="Make sampling reproducible.")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option(
@@ -82,6 +85,7 @@ def generate(
     temperature,
     top_k,
     top_p,
+    min_p,
     seed,
     stop,
     controller,
@@ -118,6 +122,7 @@ def generate(
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
+        min_p=min_p,
         seed=seed,
         stop=stop,
         speculate=not no_speculation,

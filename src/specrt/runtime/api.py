@@ -189,7 +189,7 @@ class SpeculativeRuntime:
             raise SpecrtError(
                 f"max_new_tokens must be >= 1, got {o.max_new_tokens}", param="max_new_tokens"
             )
-        params = SamplingParams(o.temperature, o.top_k, o.top_p)
+        params = SamplingParams(o.temperature, o.top_k, o.top_p, o.min_p)
         first = self._choice(o)
         ids = self.encode(prompt)
         top = check_top(o.logprobs)

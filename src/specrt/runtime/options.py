@@ -38,6 +38,7 @@ class Options:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     seed: int | None = None
     stop: Sequence[str] = ()
     controller: object = None

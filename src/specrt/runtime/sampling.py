@@ -1,7 +1,8 @@
 """Sampling parameters and the one function that turns logits into the distribution sampled from.
 
 Speculative sampling is lossless only if the draft's q and the target's p go through exactly the
-same temperature / top-k / top-p processing, so both call `probabilities` and nothing else.
+same temperature / top-k / min-p / top-p processing, so both call `probabilities` and nothing
+else.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
+    min_p: float = 0.0  # 0 = off
 
     def __post_init__(self) -> None:
         if not np.isfinite(self.temperature) or self.temperature < 0:
@@ -35,6 +37,8 @@ class SamplingParams:
             )
         if not 0 < self.top_p <= 1:
             raise SpecrtError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}", param="top_p")
+        if not 0 <= self.min_p <= 1:
+            raise SpecrtError(f"min_p must be in [0, 1] (0 = off), got {self.min_p}", param="min_p")
 
     @property
     def greedy(self) -> bool:
@@ -42,13 +46,18 @@ class SamplingParams:
 
 
 def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """The distribution a token is drawn from (float64, sums to 1), after all processing."""
+    """The distribution a token is drawn from (float64, sums to 1), after all processing:
+    temperature, top-k, min-p (a token stays if its probability is at least min_p times the
+    most likely one's, as vLLM and transformers define it), then top-p."""
     scaled = logits.astype(np.float64) / params.temperature
     if 0 < params.top_k < scaled.size:
         kth = np.partition(scaled, -params.top_k)[-params.top_k]
         scaled = np.where(scaled >= kth, scaled, -np.inf)
     probs = np.exp(scaled - scaled.max())
     probs /= probs.sum()
+    if params.min_p > 0:
+        probs = np.where(probs >= params.min_p * probs.max(), probs, 0.0)
+        probs /= probs.sum()
     return _nucleus(probs, params.top_p) if params.top_p < 1 else probs
 
 

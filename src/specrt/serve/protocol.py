@@ -122,6 +122,7 @@ class _Request(BaseModel):
     temperature: float | None = None  # OpenAI's default is 1 (sampling), not greedy
     top_p: float | None = None
     top_k: int | None = None  # extension (vLLM, llama.cpp)
+    min_p: float | None = None  # extension (vLLM, llama.cpp)
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = 1
@@ -202,6 +203,7 @@ class _Request(BaseModel):
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0,
             seed=self.seed,
             stop=stop,
             speculate=spec != "off",

@@ -595,3 +595,61 @@ def test_a_queued_request_joins_the_running_batch(bundle, batched):
     finally:
         server.stop()
     assert stats.batch_sizes and set(stats.batch_sizes) == {2}
+
+
+def _post(base: str, path: str, body: bytes, chunked: bool = False) -> tuple[int, dict, float]:
+    """A raw POST (declared length, or chunked): status, JSON reply, seconds to the answer."""
+    import http.client
+
+    connection = http.client.HTTPConnection(base.removeprefix("http://"), timeout=120)
+    headers = {"Content-Type": "application/json"}
+    start = time.perf_counter()
+    if chunked:
+        pieces = (body[i : i + 65536] for i in range(0, len(body), 65536))
+        connection.request("POST", path, pieces, headers, encode_chunked=True)
+    else:
+        connection.request("POST", path, body, headers)
+    response = connection.getresponse()
+    reply = json.loads(response.read())
+    seconds = time.perf_counter() - start
+    connection.close()
+    return response.status, reply, seconds
+
+
+def test_a_body_over_the_limit_gets_a_413_before_it_is_read(bundle, reference):
+    """--max-body-size: a body declared or streamed (chunked) past it is refused with an
+    OpenAI error before anything parses it; one under it is served, chunked or not."""
+    settings = ServeSettings(bundle=bundle, model_name="tiny", max_body_size="1MB")
+    big = json.dumps({"model": "tiny", "prompt": "word " * 400_000}).encode()  # 2 MB
+    with serving(settings, reference) as (base, _):
+        for chunked in (False, True):
+            status, reply, seconds = _post(base, "/v1/completions", big, chunked)
+            assert status == 413 and seconds < 1, (chunked, status, seconds)
+            assert reply["error"]["code"] == "body_too_large"
+            assert "--max-body-size" in reply["error"]["message"]
+            small = json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 2}).encode()
+            status, reply, _ = _post(base, "/v1/completions", small, chunked)
+            assert status == 200 and reply["usage"]["completion_tokens"] == 2
+
+
+def test_a_huge_body_and_a_prompt_far_past_the_context_are_refused_at_once(server):
+    """The default limit (16 MB) refuses a 20 MB body in under a second, and a prompt 100x
+    the context, or one of 12 MB, is refused in under 2 s: it is counted a piece at a time
+    and no further than the context (before, a 12 MB prompt was tokenized whole, ~12 s here);
+    the next request is served."""
+    base, _ = server
+    huge = json.dumps({"model": "tiny", "prompt": "word " * 4_000_000}).encode()
+    status, reply, seconds = _post(base, "/v1/completions", huge)
+    assert status == 413 and seconds < 1, (status, seconds)
+    for words in (100 * CONTEXT, 2_500_000):  # 100x the context; 12.5 MB
+        text = "word " * words
+        for path, body in (
+            ("/v1/completions", {"prompt": text}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}]}),
+        ):
+            status, reply, seconds = _post(base, path, json.dumps(body).encode())
+            assert status == 400 and seconds < 2, (path, words, status, seconds)
+            assert reply["error"]["code"] == "context_length_exceeded"
+            assert "more than" in reply["error"]["message"]
+    ok = client(base).completions.create(model="tiny", prompt="x", max_tokens=3)
+    assert ok.usage.completion_tokens >= 1

@@ -46,6 +46,27 @@ def test_incremental_decoding_never_splits_characters(tokenizers):
     assert all("\ufffd" not in delta for delta in deltas)
 
 
+def test_a_prompt_past_its_limit_is_counted_no_further(tokenizers):
+    """count_past: a text far past the limit gets a count above the limit and never above its
+    true count, from its first pieces; one that fits, however long in characters, gets None
+    (it is tokenized whole), and encode_prompt with that limit gives its tokens."""
+    from specrt.runtime.text import SCAN_PIECE, PastLimit
+
+    lean, _ = tokenizers
+    code = "def reverse(s):\n    return s[::-1]  # the whole string, backwards\n\n"
+    for text in (code * 40_000, "word " * 300_000, "w" * 3 * SCAN_PIECE):
+        past = lean.count_past(text, 2000)
+        assert past is not None and 2000 < past <= len(lean.encode(text)), text[:20]
+        with pytest.raises(PastLimit):
+            lean.encode_prompt(text, limit=2000)
+    fits = "return " * 1000  # seven characters a token in this vocabulary
+    tokens = len(lean.encode(fits, add_special_tokens=False))
+    assert len(fits) > 4 * tokens and lean.count_past(fits, tokens) is None
+    assert lean.encode_prompt(fits, limit=tokens + 5) == lean.encode(fits)
+    short = "word " * 100  # 200 tokens, but too short to scan: tokenized whole, refused then
+    assert len(lean.encode(short)) > 150 and lean.count_past(short, 150) is None
+
+
 def test_top_k_and_top_p_keep_the_right_tokens():
     logits = np.log(np.array([0.5, 0.2, 0.15, 0.1, 0.05]))
     plain = probabilities(logits, SamplingParams(temperature=1.0))

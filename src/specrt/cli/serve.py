@@ -106,6 +106,20 @@ from specrt.runtime.scheduler import PREFILL_CHUNK
     help="Return a <think>...</think> thought as reasoning_content, apart from the answer "
     "(auto: where the chat template writes the tags).",
 )
+@click.option(
+    "--max-body-size",
+    default="16MB",
+    show_default=True,
+    help="A larger request body gets a 413 before it is read.",
+)
+@click.option(
+    "--drain-timeout",
+    default=25.0,
+    show_default=True,
+    help="Seconds from SIGTERM or Ctrl-C to exit: new requests get a 503 and /health says "
+    "draining; what still runs then ends with a last chunk that says so. A second signal "
+    "ends at once.",
+)
 @click.option("--log-level", default="info", show_default=True)
 @click.option("--ray", "on_ray", is_flag=True, help="Serve on Ray Serve (the ray extra).")
 @click.option("--replicas", type=int, default=1, show_default=True, help="--ray: engine replicas.")

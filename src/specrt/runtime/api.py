@@ -37,7 +37,7 @@ from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.scheduler import PREFILL_CHUNK, Scheduler
 from specrt.runtime.sequence import Result, Sequence
 from specrt.runtime.stops import StopRules
-from specrt.runtime.text import TextTokenizer
+from specrt.runtime.text import PastLimit, TextTokenizer
 
 Prompt = str | cabc.Sequence[dict] | cabc.Sequence[int]
 
@@ -148,7 +148,11 @@ class SpeculativeRuntime:
     ) -> list[int]:
         """Token ids for a prompt (see TextTokenizer.encode_prompt; tools, in OpenAI's form,
         and extra template variables go to the chat template), checked against the context."""
-        ids = self.tokenizer.encode_prompt(prompt, tools, template_kwargs)
+        limit = self.bundle.max_context - 1
+        try:
+            ids = self.tokenizer.encode_prompt(prompt, tools, template_kwargs, limit)
+        except PastLimit as err:
+            raise self._past("prompt", f"more than {err.tokens}", " (counted no further)") from None
         if not ids:
             raise SpecrtError("the prompt is empty", param="prompt")
         self._fits("prompt", len(ids), ", leaving no room to generate", room=1)
@@ -157,12 +161,15 @@ class SpeculativeRuntime:
     def _fits(self, what: str, tokens: int, why: str = "", room: int = 0) -> None:
         """Refuse `what` (a parameter) where its tokens and `room` more pass the context."""
         if tokens + room > self.bundle.max_context:
-            raise SpecrtError(
-                f"the {what} has {tokens} tokens; the bundle's max context is "
-                f"{self.bundle.max_context}{why}",
-                param=what,
-                code="context_length_exceeded",
-            )
+            raise self._past(what, tokens, why)
+
+    def _past(self, what: str, tokens: int | str, why: str) -> SpecrtError:
+        return SpecrtError(
+            f"the {what} has {tokens} tokens; the bundle's max context is "
+            f"{self.bundle.max_context}{why}",
+            param=what,
+            code="context_length_exceeded",
+        )
 
     def stream(self, prompt: Prompt, **options) -> Generation:
         """Start a request; iterate the result for text deltas, then read `.result`.

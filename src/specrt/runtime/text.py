@@ -7,6 +7,7 @@ prompt a model sees through specrt is the one it was trained with.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
@@ -14,6 +15,20 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from specrt.errors import SpecrtError
+
+# A prompt of more than SCAN_FROM characters per token of its limit is counted a piece of
+# SCAN_PIECE characters at a time, each cut where whitespace starts, and each cut may cost up to
+# SLACK tokens the whole text would not have (a word split, a prefix space).
+SCAN_FROM, SCAN_PIECE, SLACK = 4, 1 << 16, 8
+WHITESPACE = re.compile(r"\s")
+
+
+class PastLimit(Exception):
+    """A prompt with more than `tokens` tokens, more than its limit: counted no further."""
+
+    def __init__(self, tokens: int):
+        super().__init__(tokens)
+        self.tokens = tokens
 
 
 def _token_text(value) -> str | None:
@@ -70,16 +85,40 @@ class TextTokenizer:
         prompt: str | Sequence[dict] | Sequence[int],
         tools: Sequence[dict] | None = None,
         template_kwargs: dict | None = None,
+        limit: int | None = None,
     ) -> list[int]:
         """Text is tokenized as is; a list of {role, content} dicts goes through the chat
         template (with the tools and the extra variables, where given); a list of ints is
-        taken as token ids."""
+        taken as token ids. With a limit, text found to have more tokens raises PastLimit
+        before it is tokenized in full (see `count_past`)."""
         if isinstance(prompt, str):
-            return self.encode(prompt)
-        if prompt and all(isinstance(m, dict) for m in prompt):
+            text, special = prompt, True
+        elif prompt and all(isinstance(m, dict) for m in prompt):
             text = self.render_chat(prompt, tools=tools, **(template_kwargs or {}))
-            return self.encode(text, add_special_tokens=False)
-        return [int(t) for t in prompt]
+            special = False
+        else:
+            return [int(t) for t in prompt]
+        if limit is not None and (past := self.count_past(text, limit)) is not None:
+            raise PastLimit(past)
+        return self.encode(text, add_special_tokens=special)
+
+    def count_past(self, text: str, limit: int) -> int | None:
+        """At least how many tokens text has, where that is surely more than limit; None where
+        it may fit (then it is tokenized whole). A long text is tokenized a piece at a time and
+        the count stops once it passes the limit, so a prompt far past the context costs about
+        the context's tokens to refuse, not its own (a 64 MB message took two minutes whole);
+        the SLACK each cut may add is taken off the count."""
+        if len(text) <= SCAN_FROM * limit:
+            return None
+        count, start = 0, 0
+        while start < len(text):
+            space = WHITESPACE.search(text, start + SCAN_PIECE)
+            end = space.start() if space else len(text)
+            count += len(self.encode(text[start:end], add_special_tokens=False)) - SLACK
+            if count > limit:
+                return count
+            start = end
+        return None
 
     def keep(self, markers: Sequence[str]) -> None:
         """Keep these texts in decoded output where the vocabulary makes them special tokens

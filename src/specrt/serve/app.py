@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from specrt.runtime import Result, SpeculativeRuntime
 from specrt.serve import errors
 from specrt.serve.auth import BearerAuth
+from specrt.serve.body_limit import BodyLimit
 from specrt.serve.errors import APIError
 from specrt.serve.events import Delta, Done, Event, Failed
 from specrt.serve.metrics import Metrics
@@ -145,6 +146,7 @@ def create_app(
     app.state.service = service
     app.state.metrics = service.metrics
     errors.install(app)
+    app.add_middleware(BodyLimit, limit=settings.body_bytes(), metrics=service.metrics)
     if settings.api_key:
         app.add_middleware(BearerAuth, key=settings.api_key, metrics=service.metrics)
 

@@ -22,6 +22,7 @@ KINDS = {
     "invalid": (400, "invalid_request_error", "invalid"),
     "unauthorized": (401, "authentication_error", "unauthorized"),
     "not_found": (404, "not_found_error", "invalid"),
+    "too_large": (413, "invalid_request_error", "invalid"),
     "busy": (429, "rate_limit_error", "rejected"),
     "engine": (500, "server_error", "error"),
     "unavailable": (503, "server_error", "unavailable"),

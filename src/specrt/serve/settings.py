@@ -41,6 +41,8 @@ class ServeSettings:
     chat_template: Path | None = None  # a Jinja file used in place of the bundle's template
     reasoning_parser: str = "auto"  # thoughts apart from answers: auto, think or none
     tool_parser: str = "auto"  # the tool calls' format (tool_formats.PARSERS)
+    max_body_size: str = "16MB"  # a larger request body is refused (413) before it is read
+    drain_timeout: float = 25.0  # seconds from SIGTERM to exit (under Kubernetes' 30 s grace)
 
     @property
     def served_model(self) -> str:
@@ -74,6 +76,10 @@ class ServeSettings:
         if self.kv_budget is not None:
             parse_size(self.kv_budget)
         self.prefix_bytes()
+        if self.body_bytes() < 1:
+            raise SpecrtError(f"--max-body-size must be more than 0, got {self.max_body_size!r}")
+        if self.drain_timeout < 0:
+            raise SpecrtError(f"--drain-timeout must be >= 0, got {self.drain_timeout}")
         self.template()
         if self.tool_parser not in TOOL_PARSERS:
             raise SpecrtError(
@@ -88,6 +94,9 @@ class ServeSettings:
     def template(self) -> str | None:
         """--chat-template's text, checked (None: the bundle's own)."""
         return read_template(self.chat_template) if self.chat_template else None
+
+    def body_bytes(self) -> int:
+        return parse_bytes(self.max_body_size, "--max-body-size")
 
     def prefix_bytes(self) -> int:
         """Bytes of host memory the prefix store may take: --prefix-cache, or the default

@@ -4,7 +4,11 @@ raw HTTP for requests a client would refuse to send, the official client, the me
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -46,6 +50,50 @@ def serving(settings: ServeSettings, runtime: SpeculativeRuntime | None = None, 
         server.should_exit = True
         thread.join(30)
         sock.close()
+
+
+class CliServer:
+    """`specrt serve` in a process of its own on a free loopback port; `output()` is what it
+    printed (stdout and stderr, kept in a file so a full pipe never stalls it)."""
+
+    def __init__(self, bundle, *options: str, env: dict | None = None):
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self._log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed by __exit__)
+        command = [sys.executable, "-m", "specrt.cli", "serve", str(bundle)]
+        self.process = subprocess.Popen(
+            [*command, "--port", str(self.port), *options],
+            env={**os.environ, **(env or {})},
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+    def wait_healthy(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.process.poll() is None, self.output()
+            try:
+                if http(f"{self.base}/health")[0] == 200:
+                    return
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "specrt serve did not become healthy"
+            time.sleep(0.2)
+
+    def output(self) -> str:
+        self._log.seek(0)
+        return self._log.read()
+
+    def __enter__(self) -> CliServer:
+        self.wait_healthy()
+        return self
+
+    def __exit__(self, *_) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(30)
+        self._log.close()
 
 
 def wait_healthy(base: str, timeout: float = 120) -> dict:

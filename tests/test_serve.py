@@ -15,7 +15,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from servers import client, free_port, http, metric_values, serving, wait_healthy
+from servers import CliServer, client, http, metric_values, serving, wait_healthy
 
 from specrt.exporter.build import build_bundle
 from specrt.runtime import SpeculativeRuntime
@@ -470,27 +470,11 @@ def test_health_reports_a_bundle_that_cannot_load(bundle, tmp_path):
 
 
 def test_the_cli_serves_with_a_key_from_the_environment(bundle):
-    port = free_port()
-    command = [sys.executable, "-m", "specrt.cli", "serve", str(bundle), "--port", str(port)]
-    env = {**__import__("os").environ, "SPECRT_API_KEY": "k1"}
-    process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
-    try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, process.stderr.read()
-            try:
-                if http(f"{base}/health")[0] == 200:
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "specrt serve did not become healthy"
-            time.sleep(0.2)
-        got = client(base, "k1").completions.create(model=bundle.name, prompt="x", max_tokens=3)
+    with CliServer(bundle, env={"SPECRT_API_KEY": "k1"}) as server:
+        got = client(server.base, "k1").completions.create(
+            model=bundle.name, prompt="x", max_tokens=3
+        )
         assert got.usage.completion_tokens >= 1
-    finally:
-        process.terminate()
-        process.wait(30)
 
 
 def test_the_cli_refuses_a_missing_bundle(tmp_path):

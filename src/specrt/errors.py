@@ -37,6 +37,7 @@ class Unavailable(SpecrtError):
     """Nothing can serve the request now (loading, failed, shutting down)."""
 
     kind = "unavailable"
+    retry_after: int | None = None
 
 
 class TimedOut(SpecrtError):

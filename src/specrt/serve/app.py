@@ -1,4 +1,4 @@
-"""The OpenAI-compatible app: `create_app(settings)` builds it, `run(settings)` serves it.
+"""The OpenAI-compatible app: `create_app(settings)` builds it (server.py's `run` serves it).
 
 The app knows HTTP; a `Service` (service.py) runs the generations, in this process or, under
 Ray Serve, in engine replicas. A request is validated in three steps, each in one place:
@@ -28,6 +28,7 @@ from specrt.serve.events import Delta, Done, Event, Failed
 from specrt.serve.metrics import Metrics
 from specrt.serve.protocol import ChatRequest, CompletionRequest
 from specrt.serve.render import Writer
+from specrt.serve.request_ids import RequestIds
 from specrt.serve.service import LocalService, Service, Stream
 from specrt.serve.settings import ServeSettings
 
@@ -75,6 +76,8 @@ class Server:
             event = await stream.next()
         if isinstance(event, Failed):
             raise event.error
+        if event.result.finish_reason == "shutdown":
+            raise cut_short()  # a 503: the client's retry finds another replica
         return event.result
 
     async def _stream(self, streams, firsts, writer: Writer, include_usage, watcher):
@@ -97,6 +100,9 @@ class Server:
                     yield sse(writer.chunk(index, event.text, event.logprobs))
                 elif isinstance(event, Done):
                     yield sse(writer.last_chunk(index, event.result))
+                    if event.result.finish_reason == "shutdown":
+                        yield sse(cut_short().body())  # the client's library raises on it
+                        break
                 else:
                     self.service.metrics.outcome(event.error.outcome)
                     yield sse(event.error.body())
@@ -118,6 +124,17 @@ class Server:
             pass
         for stream in streams:
             stream.cancel()
+
+
+def cut_short() -> APIError:
+    """The error a request ended by the server's shutdown gets, after what it had made."""
+    return APIError(
+        "unavailable",
+        "the server shut down before this generation finished (finish_reason 'shutdown'); "
+        "retry, another replica will serve it",
+        code="shutting_down",
+        headers={"Retry-After": "1"},
+    )
 
 
 def sse(data: dict) -> str:
@@ -149,6 +166,7 @@ def create_app(
     app.add_middleware(BodyLimit, limit=settings.body_bytes(), metrics=service.metrics)
     if settings.api_key:
         app.add_middleware(BearerAuth, key=settings.api_key, metrics=service.metrics)
+    app.add_middleware(RequestIds)  # the outermost: every answer carries its id
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -191,16 +209,3 @@ def _describe(app: FastAPI, settings: ServeSettings, service: Service) -> None:
         if text is None:
             raise APIError("not_found", service.metrics.instruments.where, code="metrics_elsewhere")
         return Response(text, media_type=Metrics.content_type)
-
-
-def run(settings: ServeSettings, log_level: str = "info") -> None:
-    """Serve until interrupted; in-flight requests get 30 s to finish on shutdown."""
-    import uvicorn
-
-    uvicorn.run(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        log_level=log_level,
-        timeout_graceful_shutdown=30,
-    )

@@ -24,7 +24,7 @@ def serve(
     """Serve until interrupted: here, or (ray given) as engine replicas on Ray Serve."""
     settings.check()
     if ray is None:
-        from specrt.serve.app import run
+        from specrt.serve.server import run
 
         where = f"http://{settings.host}:{settings.port}/v1"
         say(f"serving {settings.served_model} on {where} (loading the engines)")

@@ -46,6 +46,8 @@ from specrt.serve.errors import APIError
 from specrt.serve.events import Event, Failed, is_last
 from specrt.serve.metrics import Instrument, Metrics
 from specrt.serve.render import Shape
+from specrt.serve.request_ids import REQUEST_ID
+from specrt.serve.server import LAST_WORDS
 from specrt.serve.service import Body, LocalService
 from specrt.serve.settings import RayOptions, ServeSettings
 
@@ -138,9 +140,13 @@ class EngineReplica:
         if self.service.load_error:
             raise SpecrtError(f"{settings.bundle} could not be loaded: {self.service.load_error}")
 
-    async def events(self, body: Body) -> AsyncIterator[tuple | Event]:
+    async def events(
+        self, body: Body, request_id: str | None = None
+    ) -> AsyncIterator[tuple | Event]:
         """The replica's id and how the text is parsed (Job.shape), then the request's
-        events. Cancelling the call (the client left) cancels the request."""
+        events. Cancelling the call (the client left) cancels the request. request_id: the
+        ingress's, for this replica's log lines."""
+        REQUEST_ID.set(request_id)
         try:
             (stream,) = await self.service.open(body)  # the ingress sends a choice a call
         except APIError as err:
@@ -170,10 +176,21 @@ class EngineReplica:
         if status != "ok":
             raise RuntimeError(detail["detail"])
 
-    def __del__(self) -> None:
-        """Called by Ray once the replica's requests are done (graceful shutdown)."""
-        if hasattr(self, "service"):  # not when the constructor failed
-            self.service.stop()
+    async def __del__(self) -> None:
+        """Ray's shutdown hook, called once the replica's requests are done (graceful
+        shutdown). What still runs then ends as under `specrt serve` (server.py): a stream
+        with a last chunk, finish_reason "shutdown", and an error event; then the engines
+        stop. (Requests that outlast Ray's graceful_shutdown_timeout_s never get here: Ray
+        kills the replica, and the ingress ends their streams with a 503 error event.)"""
+        if not hasattr(self, "service"):  # the constructor failed
+            return
+        self.service.drain()
+        self.service.end()
+        deadline = time.monotonic() + LAST_WORDS
+        while not self.service.idle and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.1)  # the generators hand their last events on
+        self.service.stop()
 
 
 class RayStream:
@@ -242,7 +259,7 @@ class RayService:
         return streams
 
     async def _open(self, body: Body) -> RayStream:
-        events = self.engine.options(stream=True).events.remote(body)
+        events = self.engine.options(stream=True).events.remote(body, REQUEST_ID.get())
         try:
             replica, shape = await events.__anext__()
         except Exception as err:

@@ -35,7 +35,7 @@ from specrt.serve.reasoning import (
 from specrt.serve.render import Shape
 from specrt.serve.settings import ServeSettings
 from specrt.serve.tool_formats import ToolFormat, choose
-from specrt.serve.worker import Job, Worker
+from specrt.serve.worker import Job, Worker, shutting_down
 
 log = logging.getLogger("specrt.serve")
 
@@ -81,6 +81,7 @@ class LocalService:
         self.worker: Worker | None = None
         self.tool_format: ToolFormat | None = None  # tool calls' format, once loaded
         self.load_error: str | None = None
+        self.draining = False  # shutting down: no more requests (see server.py)
 
     def start(self) -> None:
         """Load the engines (and calibrate) in the background; /health says when it is done."""
@@ -135,8 +136,25 @@ class LocalService:
         if self.worker is not None:
             self.worker.close()
 
+    def drain(self) -> None:
+        """Shutting down: refuse new requests (503), let those admitted run."""
+        self.draining = True
+        if self.worker is not None:
+            self.worker.drain()
+
+    def end(self) -> None:
+        """Stop what still runs (the drain's time is up): see Worker.end."""
+        if self.worker is not None:
+            self.worker.end()
+
+    @property
+    def idle(self) -> bool:
+        return self.worker is None or self.worker.idle
+
     def status(self) -> tuple[str, dict]:
-        """ok, loading or error, with a detail for /health."""
+        """ok, loading, draining or error, with a detail for /health."""
+        if self.draining:
+            return "draining", {"detail": "shutting down: finishing the requests in flight"}
         if self.load_error:
             return "error", {"detail": f"the bundle could not be loaded: {self.load_error}"}
         if self.runtime is None or self.worker is None:
@@ -150,6 +168,8 @@ class LocalService:
 
     def ready(self) -> tuple[SpeculativeRuntime, Worker]:
         status, detail = self.status()
+        if status == "draining":
+            raise APIError.from_specrt(shutting_down())
         if status != "ok":
             raise APIError(
                 "unavailable", f"the server is not ready: {detail['detail']}", code=status

@@ -26,19 +26,32 @@ from specrt.serve.errors import APIError
 from specrt.serve.events import Delta, Done, Event, Failed
 from specrt.serve.metrics import Metrics
 from specrt.serve.render import Shape
+from specrt.serve.request_ids import REQUEST_ID
 
 log = logging.getLogger("specrt.serve")
 
 
+def shutting_down() -> Unavailable:
+    """What a request is told when the server stops before it could run: go elsewhere (a
+    load balancer's other replicas) and come back in a second."""
+    error = Unavailable(
+        "the server is shutting down: retry, another replica will serve it",
+        code="shutting_down",
+    )
+    error.retry_after = 1
+    return error
+
+
 class Job:
     """One request's channel out of the worker, and the app's `Stream` of it (service.py);
-    created on the event loop."""
+    created on the event loop, in the request's task (it takes the request's id along)."""
 
     headers: dict[str, str] = {}
 
     def __init__(self, sequence: Sequence, shape: Shape | None = None):
         self.sequence = sequence
         self.shape = shape or Shape()  # how its text is parsed (thought, tool calls)
+        self.request_id = REQUEST_ID.get()  # for the worker's log lines
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue[Event] = asyncio.Queue()
 
@@ -72,6 +85,7 @@ class Worker:
         self._jobs: dict[Sequence, Job] = {}  # submitted, not yet ended
         self._cond = threading.Condition()
         self._closed = False
+        self._draining = False  # shutting down: what was admitted runs, nothing more is
         self.failure: str | None = None  # set when an engine call fails unexpectedly
         self._service_seconds = 1.0  # recent time per request, for Retry-After
         self._thread = threading.Thread(target=self._run, name="specrt-engines", daemon=True)
@@ -82,11 +96,18 @@ class Worker:
         """Requests waiting for a slot."""
         return self.scheduler.depth
 
-    def submit(self, job: Job) -> None:
-        """Queue a job's sequence: `Unavailable` once closed, `Busy` when the queue is full."""
+    @property
+    def idle(self) -> bool:
+        """No request is queued or running."""
         with self._cond:
-            if self._closed:
-                raise Unavailable("the server is shutting down", code="unavailable")
+            return not self._jobs
+
+    def submit(self, job: Job) -> None:
+        """Queue a job's sequence: `Unavailable` once draining or closed, `Busy` when the
+        queue is full."""
+        with self._cond:
+            if self._draining or self._closed:
+                raise shutting_down()
             try:
                 self.scheduler.add(job.sequence)
             except Busy as err:
@@ -98,12 +119,25 @@ class Worker:
             self.metrics.waiting.set(self.scheduler.depth)
             self._cond.notify()
 
+    def drain(self) -> None:
+        """Admit no more requests; those admitted run on (`end` stops them)."""
+        with self._cond:
+            self._draining = True
+
+    def end(self) -> None:
+        """Stop every request after the round in flight: a running one finishes with
+        finish_reason "shutdown" (its stream's last chunk says so), a queued one fails
+        with a 503."""
+        with self._cond:
+            for sequence in self._jobs:
+                sequence.cancel("shutdown")
+            self._cond.notify_all()
+
     def close(self, timeout: float = 30.0) -> None:
-        """Refuse queued jobs, stop the running ones after their round, and join the thread."""
+        """End every request (`end`), and join the thread once they have ended."""
+        self.end()
         with self._cond:
             self._closed = True
-            for sequence in self._jobs:
-                sequence.cancel()
             self._cond.notify_all()
         self._thread.join(timeout)
 
@@ -142,6 +176,17 @@ class Worker:
         seconds = result.stats.total_seconds
         self._service_seconds = 0.7 * self._service_seconds + 0.3 * seconds
         self.metrics.record(result, sequence.queue_seconds)
+        stats = result.stats
+        log.info(
+            "finished (%s): %d prompt tokens (%d cached), %d new in %.2f s after %.2f s queued",
+            result.finish_reason,
+            stats.prompt_tokens,
+            stats.cached_tokens,
+            stats.new_tokens,
+            seconds,
+            sequence.queue_seconds,
+            extra={"request_id": job.request_id},
+        )
         job.emit(Done(result))
 
     def _unstarted(self, job: Job) -> None:
@@ -154,9 +199,8 @@ class Worker:
                 f"{sequence.timeout:g}s"
             )
             job.emit(Failed(APIError.from_specrt(TimedOut(message, code="timeout"))))
-        elif self._closed:
-            error = Unavailable("the server is shutting down", code="unavailable")
-            job.emit(Failed(APIError.from_specrt(error)))
+        elif sequence.result.finish_reason == "shutdown":
+            job.emit(Failed(APIError.from_specrt(shutting_down())))
         else:
             self.metrics.outcome("cancelled")
 
@@ -172,5 +216,6 @@ class Worker:
         for sequence in self.scheduler.reset():
             with self._cond:
                 job = self._jobs.pop(sequence)
+            log.info("failed: %s", error.message, extra={"request_id": job.request_id})
             job.emit(Failed(error))
         self.metrics.running.set(0)

@@ -26,7 +26,7 @@ import openai
 from serve_overhead import free_port, start_server, summarize, through_server
 
 from specrt import machine
-from specrt.files import write_json_atomic
+from specrt.files import portable, write_json_atomic
 from specrt.tools.prompts import load_prompts
 
 
@@ -134,7 +134,7 @@ def main() -> None:
         "saturation": saturation,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(args.out.with_suffix(".json"), result)
+    write_json_atomic(args.out.with_suffix(".json"), portable(result))
     s, r = one["specrt_serve"], one["ray"]
     lines = [
         f"# specrt serve on Ray Serve ({len(prompts)} prompts x {args.max_new_tokens} tokens, "
@@ -165,7 +165,7 @@ def main() -> None:
             f"{row['tokens_per_s']:.2f} | {row['latency_s_median']:.1f} | "
             f"{row['identical_to_one_client']} |"
         )
-    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    args.out.with_suffix(".md").write_text(portable("\n".join(lines) + "\n"))
     print("\n".join(lines))
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import openai
 
 from specrt import machine
-from specrt.files import write_json_atomic
+from specrt.files import portable, write_json_atomic
 from specrt.runtime import SpeculativeRuntime
 from specrt.tools.prompts import load_prompts
 
@@ -170,7 +170,7 @@ def main() -> None:
         "rows": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(args.out.with_suffix(".json"), result)
+    write_json_atomic(args.out.with_suffix(".json"), portable(result))
     lines = [
         f"# specrt serve vs the Python API, one client ({result['precision']}, "
         f"{len(prompts)} prompts x {args.max_new_tokens} tokens, greedy)",
@@ -188,7 +188,7 @@ def main() -> None:
             f"{r['server_vs_api_tokens_per_s']:.3f} | {a['ttft_ms_mean']:.0f} | "
             f"{s['ttft_ms_mean']:.0f} | {r['identical_outputs']} |"
         )
-    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    args.out.with_suffix(".md").write_text(portable("\n".join(lines) + "\n"))
     print("\n".join(lines))
 
 

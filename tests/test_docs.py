@@ -56,3 +56,27 @@ def test_a_result_without_its_machine_or_renderer_is_refused(render_results, tmp
     with pytest.raises(render_results.RenderError, match="no results file"):
         render_results.render("missing")
     assert render_results.renderable() == []
+
+
+def test_results_record_commands_as_a_user_types_them(tmp_path, monkeypatch):
+    """Paths and commands are written `portable` (write_result, write_report): specrt's home
+    as $SPECRT_HOME, llama.cpp's programs by name, the home folder as ~; and no committed
+    result names a folder of the machine that ran it (its machine has a field of its own)."""
+    from specrt.files import portable, write_result
+
+    monkeypatch.setenv("HOME", "/home/ci")
+    monkeypatch.setenv("SPECRT_HOME", "/home/ci/.cache/specrt")
+    ran = "/opt/llama.cpp/build/bin/llama-server -m /home/ci/.cache/specrt/models/t.gguf -np 4"
+    result = {"command": ran, "rows": [{"bundle": "/home/ci/bundles/b"}], "tokens": 3}
+    write_result(tmp_path / "r", result, f"`{ran}`")
+    assert json.loads((tmp_path / "r.json").read_text()) == {
+        "command": "llama-server -m $SPECRT_HOME/models/t.gguf -np 4",
+        "rows": [{"bundle": "~/bundles/b"}],
+        "tokens": 3,
+    }
+    assert (tmp_path / "r.md").read_text() == "`llama-server -m $SPECRT_HOME/models/t.gguf -np 4`"
+    assert portable("/usr/bin/python benchmarks/x.py") == "/usr/bin/python benchmarks/x.py"
+    machine_paths = re.compile(r"(?<![\w$~.])/(root|home|tmp|Users)/")
+    for path in sorted((ROOT / "benchmarks" / "results").glob("*.*")):
+        if path.suffix in (".json", ".md"):
+            assert not machine_paths.search(path.read_text()), path.name

@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -113,10 +114,30 @@ def specrt_home() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "specrt"
 
 
+LLAMA_CPP_BINARY = re.compile(r"[\w.~+$/-]*/(llama-(?:server|bench|cli))\b")  # a build folder's
+
+
+def portable(value):
+    """A result (a dict, a list, a string) with its paths and commands as a user would type
+    them on any machine: specrt's home as $SPECRT_HOME, llama.cpp's programs by name (on the
+    PATH, as docs/benchmarks.md builds them), the user's home as ~. Which machine ran it is
+    `machine.describe()`'s, in a field of its own."""
+    if isinstance(value, dict):
+        return {key: portable(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [portable(item) for item in value]
+    if not isinstance(value, str):
+        return value
+    value = value.replace(str(specrt_home()), "$SPECRT_HOME")
+    value = LLAMA_CPP_BINARY.sub(r"\1", value)
+    return value.replace(str(Path.home()), "~")
+
+
 def write_result(out: Path | None, result: dict, text: str) -> None:
     """A benchmark's result as OUT.json (the record) and OUT.md (what people read), atomically;
-    nothing where out is None (the figures were only printed)."""
+    nothing where out is None (the figures were only printed). Paths and commands are
+    written `portable`."""
     if out is None:
         return
-    write_json_atomic(out.with_suffix(".json"), result)
-    write_bytes_atomic(out.with_suffix(".md"), text.encode())
+    write_json_atomic(out.with_suffix(".json"), portable(result))
+    write_bytes_atomic(out.with_suffix(".md"), portable(text).encode())

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from specrt import machine
-from specrt.files import write_bytes_atomic, write_json_atomic
+from specrt.files import portable, write_bytes_atomic, write_json_atomic
 from specrt.runtime.sequence import per_token_latencies
 from specrt.tools.charts import chart
 from specrt.tools.runners import Run
@@ -139,6 +139,7 @@ def write_report(
     is skipped with a line saying so); returns the paths written. render and draw make the
     table and the chart (default: this module's, for `specrt bench` results)."""
     render, draw = render or markdown, draw or chart
+    result = portable(result)  # paths and commands as any machine types them
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / f"{stem}.json", out / f"{stem}.md"]
     write_json_atomic(paths[0], result)

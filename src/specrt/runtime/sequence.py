@@ -134,7 +134,8 @@ class Stats:
 class Result:
     text: str
     token_ids: list[int]
-    finish_reason: str  # "eos" | "stop" | "length" | "context" | "timeout" | "cancelled"
+    # "eos" | "stop" | "length" | "context" | "timeout" | "shutdown" | "cancelled"
+    finish_reason: str
     stats: Stats = field(repr=False)
     logprobs: list[TokenLogprob] | None = field(default=None, repr=False)  # one per token
 

@@ -16,7 +16,8 @@ from specrt.runtime import Result, TokenLogprob
 from specrt.serve.reasoning import ThoughtStream, split
 from specrt.serve.tool_formats import CallStream, ToolCall, ToolFormat
 
-# OpenAI's finish reasons; "timeout" and "cancelled" are specrt's own and pass as they are.
+# OpenAI's finish reasons; "timeout", "shutdown" and "cancelled" are specrt's own and pass as
+# they are.
 FINISH_REASONS = {"eos": "stop", "context": "length"}
 
 

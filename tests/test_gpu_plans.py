@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 
 import pytest
 from click.testing import CliRunner
@@ -14,7 +15,13 @@ from specrt import machine
 from specrt.bundle import Bundle
 from specrt.cli import cli
 from specrt.engines import load_engine
-from specrt.engines.onnxruntime import check_providers, providers_for, trt_profile_options
+from specrt.engines.ort_providers import (
+    PROBE_GRAPH,
+    check_providers,
+    providers_for,
+    starts,
+    trt_profile_options,
+)
 from specrt.engines.tensorrt import call_plan
 from specrt.errors import SpecrtError
 from specrt.profiles import Profile, input_shapes, plan_profiles, select_profile
@@ -134,15 +141,54 @@ def test_tensorrt_provider_options_name_every_dynamic_input(bundles, arch):
 
 
 def test_tensorrt_provider_keeps_a_float32_bundle_in_float32(bundles, monkeypatch):
-    """fp16 kernels only for an fp16 graph: a float32 target stays exact."""
+    """fp16 kernels only for an fp16 graph, and no TF32: a float32 target stays exact. The
+    TensorRT provider has no TF32 option; its builder reads NVIDIA_TF32_OVERRIDE, which the
+    engine sets for a float32 graph unless the environment already says otherwise."""
     bundle = Bundle.load(bundles["llama"])
     monkeypatch.setattr(
         "onnxruntime.get_available_providers",
         lambda: ["TensorrtExecutionProvider", "CPUExecutionProvider"],
     )
+    monkeypatch.delenv("NVIDIA_TF32_OVERRIDE", raising=False)
     (provider, options), *rest = providers_for(bundle, "target", "onnxruntime-tensorrt")
     assert provider == "TensorrtExecutionProvider" and options["trt_fp16_enable"] == "False"
-    assert rest == ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    assert rest == [("CUDAExecutionProvider", {"use_tf32": "0"}), "CPUExecutionProvider"]
+    assert os.environ["NVIDIA_TF32_OVERRIDE"] == "0"
+    monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "1")  # the user's own choice stands
+    providers_for(bundle, "target", "onnxruntime-tensorrt")
+    assert os.environ["NVIDIA_TF32_OVERRIDE"] == "1"
+
+
+def test_the_cuda_provider_runs_float32_without_tf32(bundles, monkeypatch):
+    """ONNX Runtime's CUDA provider runs float32 MatMuls in TF32 by default: on an H100 the
+    float32 target moved 1.7e-2 from the CPU's logits with it, 9.9e-6 without."""
+    monkeypatch.setattr(
+        "onnxruntime.get_available_providers",
+        lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"],
+    )
+    providers = providers_for(Bundle.load(bundles["llama"]), "target", "onnxruntime-cuda")
+    assert providers == [("CUDAExecutionProvider", {"use_tf32": "0"}), "CPUExecutionProvider"]
+
+
+def test_a_provider_starts_or_says_why_not():
+    """`starts` opens a session on a one-node graph: the CPU provider starts; a GPU provider
+    this build lacks, or whose libraries cannot load, falls back and is said not to start
+    (doctor's verdict: `get_available_providers` lists what is compiled in, not what loads)."""
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper
+
+    value = {n: helper.make_tensor_value_info(n, TensorProto.FLOAT, [1]) for n in "xy"}
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "x"], ["y"])], "probe", [value["x"]], [value["y"]]
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8, producer_name="specrt"
+    )
+    assert model.SerializeToString() == PROBE_GRAPH
+    onnx.checker.check_model(onnx.load_from_string(PROBE_GRAPH))
+    assert starts("CPUExecutionProvider") is None
+    if "CUDAExecutionProvider" not in __import__("onnxruntime").get_available_providers():
+        assert "does not start" in starts("CUDAExecutionProvider")
 
 
 def test_a_provider_that_did_not_start_is_refused_not_run_on_the_cpu():
@@ -212,6 +258,10 @@ def test_doctor_judges_hand_written_facts():
     assert "TensorRT 8.6.1 found" in next(
         v.detail for v in diagnose({**gpu, "tensorrt": "8.6.1"}) if v.backend == "tensorrt"
     )
+    why = "it does not start (ONNX Runtime fell back to CUDAExecutionProvider, ...)"
+    broken = {v.backend: v for v in diagnose({**gpu, "failed": {"TensorrtExecutionProvider": why}})}
+    assert not broken["onnxruntime-tensorrt"].ok and why in broken["onnxruntime-tensorrt"].detail
+    assert broken["onnxruntime-cuda"].ok
 
 
 def test_doctor_command_reports_this_machine():

@@ -24,17 +24,15 @@ import onnxruntime as ort
 
 from specrt.bundle import Bundle
 from specrt.engines.base import BufferCache, RowCall, check_rollback, check_room, check_slot
+from specrt.engines.ort_providers import (
+    DEVICE_OF_PROVIDER,
+    check_providers,
+    provider_name,
+    providers_for,
+)
 from specrt.engines.rows import RowProbe, cut_difference
 from specrt.errors import SpecrtError
-from specrt.files import specrt_home
-from specrt.profiles import input_shapes, keep_values, profiles_from_manifest
 
-DEVICE_OF_PROVIDER = {"CUDAExecutionProvider": "cuda", "TensorrtExecutionProvider": "cuda"}
-PROVIDER_OF_BACKEND = {
-    "onnxruntime": "CPUExecutionProvider",
-    "onnxruntime-cuda": "CUDAExecutionProvider",
-    "onnxruntime-tensorrt": "TensorrtExecutionProvider",
-}
 FLOAT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 # The most tokens of one row a call carries; a longer row goes in pieces. Measured on the
 # default pair, a 6,039-token prompt alone: fed whole, 126.9 s to the first token and a peak
@@ -46,68 +44,6 @@ PIECE = 256
 def default_threads() -> int:
     """Decoding streams weights: one thread per core saturates memory bandwidth on small boxes."""
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
-
-
-def trt_profile_options(bundle: Bundle, role: str, slots: int = 1) -> dict[str, str]:
-    """The bundle's prefill/decode/verify profiles as ONNX Runtime TensorRT provider options:
-    one `name:dims` entry per input and profile, in profile order, for calls of 1..slots rows
-    on the engine's caches (max context plus the margin). Every input TensorRT sees as dynamic
-    is named, or the provider builds an engine for the first shape it meets and rebuilds on the
-    next; `logits_to_keep` sets an output shape, so TensorRT makes it a shape tensor, whose entry
-    gives its *values* (1 for a prefill, up to the window for a verify) rather than dims."""
-    r = bundle.role(role)
-    dims = {k: r.dim(k) for k in ("num_layers", "num_kv_heads", "head_dim")}
-    lists: dict[str, list[str]] = {"min": [], "opt": [], "max": []}
-    for profile in profiles_from_manifest(bundle.manifest):
-        shapes = input_shapes(
-            profile, capacity=bundle.max_context, batch=slots, margin=bundle.cache_margin, **dims
-        )
-        shapes["logits_to_keep"] = keep_values(profile)
-        for name, bounds in shapes.items():
-            for key, shape in zip(lists, bounds, strict=True):
-                lists[key].append(f"{name}:{'x'.join(map(str, shape))}")
-    return {f"trt_profile_{key}_shapes": ",".join(entries) for key, entries in lists.items()}
-
-
-def providers_for(bundle: Bundle, role: str, backend: str, slots: int = 1) -> list:
-    """Execution providers for a backend name; a GPU provider that this onnxruntime build
-    lacks is an error, not a silent fall-back to the CPU."""
-    provider = PROVIDER_OF_BACKEND[backend]
-    if provider not in ort.get_available_providers():
-        raise SpecrtError(
-            f"backend {backend}: this onnxruntime has no {provider} (it has "
-            f"{', '.join(ort.get_available_providers())}); install onnxruntime-gpu, and TensorRT "
-            "for the TensorRT provider (see docs/gpu.md)"
-        )
-    if backend == "onnxruntime":
-        return [provider]
-    options: dict[str, str] = {}
-    if backend == "onnxruntime-tensorrt":
-        cache = specrt_home() / "ort-tensorrt" / bundle.path.resolve().name / role
-        options = {
-            **trt_profile_options(bundle, role, slots),
-            # The graph's own types decide the precision: fp16 kernels for an fp16 graph only,
-            # so a float32 bundle stays float32 (and exact against the CPU target).
-            "trt_fp16_enable": str(bundle.role(role).precision == "fp16"),
-            "trt_engine_cache_enable": "True",
-            "trt_engine_cache_path": str(cache),
-            "trt_timing_cache_enable": "True",
-        }
-    return [(provider, options), "CUDAExecutionProvider", "CPUExecutionProvider"]
-
-
-def check_providers(asked: Sequence[str | tuple[str, dict]], running: Sequence[str]) -> None:
-    """Refuse a session whose first provider did not register. ONNX Runtime logs the reason
-    (TensorRT or CUDA libraries not found, a driver too old) and carries on with the next
-    provider in the list, so a GPU backend would run on the CPU, slowly, saying nothing."""
-    first = _name(asked[0])
-    if first not in running:
-        raise SpecrtError(
-            f"ONNX Runtime could not start {first} and fell back to "
-            f"{', '.join(running) or 'nothing'}: its log above says why (usually CUDA, cuDNN or "
-            "TensorRT libraries it cannot find, or onnxruntime and onnxruntime-gpu installed "
-            "side by side; `specrt doctor` checks)"
-        )
 
 
 class OrtEngine(BufferCache):
@@ -136,7 +72,7 @@ class OrtEngine(BufferCache):
             )
         providers = list(providers or ["CPUExecutionProvider"])
         self.session = _session(graph, providers, threads)
-        self.device = DEVICE_OF_PROVIDER.get(_name(providers[0]), "cpu")
+        self.device = DEVICE_OF_PROVIDER.get(provider_name(providers[0]), "cpu")
         self.graph = graph
         self.vocab_size, self.slots = vocab_size, slots
         self._capacity, self._margin = capacity, margin
@@ -150,7 +86,7 @@ class OrtEngine(BufferCache):
         self._cache_type = FLOAT_TYPES[types["past_key_values.0.key"]]
         self._logits_type = FLOAT_TYPES[types["logits"]]
         # A lone row binds at its length, but TensorRT's profiles fix the caches' shape.
-        self._in_place = _name(providers[0]) != "TensorrtExecutionProvider"
+        self._in_place = provider_name(providers[0]) != "TensorrtExecutionProvider"
         self._row_shape = [self._positions_held, num_kv_heads, head_dim]
         self._pages: list[mmap.mmap] = []  # the CPU caches' mappings (see `release`)
         self._caches = [
@@ -409,11 +345,6 @@ def _session(graph: Path, providers: list, threads: int | None) -> ort.Inference
         raise SpecrtError(f"{graph}: ONNX Runtime cannot load this graph: {err}") from err
     check_providers(providers, session.get_providers())
     return session
-
-
-def _name(provider: str | tuple[str, dict]) -> str:
-    """A provider entry's name: entries are a name, or a (name, options) pair."""
-    return provider if isinstance(provider, str) else provider[0]
 
 
 def _present(past_name: str) -> str:

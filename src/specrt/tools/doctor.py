@@ -2,8 +2,11 @@
 the CPU and its SIMD features; and, for bundles named, whether their targets' calls need padding
 to even rows here (the row probe, see engines/rows.py).
 
-Facts are gathered once (`probe`: versions, execution providers, GPUs) and judged by a pure
-function (`diagnose`), so the verdicts are tested on any machine with facts written by hand.
+Facts are gathered once (`probe`: versions, execution providers, whether each GPU provider
+starts, GPUs) and judged by a pure function (`diagnose`), so the verdicts are tested on any
+machine with facts written by hand. A provider compiled into onnxruntime is not one that starts
+(a TensorRT provider whose libraries cannot load is listed all the same): each is asked to start
+a session on a one-node graph.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 
 from specrt import machine
 
+GPU_PROVIDERS = {"CUDAExecutionProvider", "TensorrtExecutionProvider"}
 GPU_HINT = "on a machine with an NVIDIA GPU and driver: pip install 'specrt[gpu]'"
 # The distributions that install each module, as pip names them: the `tensorrt` meta-package
 # pulls tensorrt-cu13 (or -cu12), whose bindings wheel holds the module; cuda-python is a
@@ -61,11 +65,16 @@ def _version(distributions: tuple[str, ...]) -> str | None:
 def probe() -> dict:
     """What is installed and visible here (imports nothing heavy that is not installed)."""
     facts: dict = {name: _version(names) for name, names in DISTRIBUTIONS.items()}
-    facts["providers"] = []
+    facts["providers"], facts["failed"] = [], {}
     if facts["onnxruntime"] or facts["onnxruntime_gpu"]:
         import onnxruntime
 
+        from specrt.engines.ort_providers import starts
+
         facts["providers"] = onnxruntime.get_available_providers()
+        for provider in GPU_PROVIDERS & set(facts["providers"]):
+            if (why := starts(provider)) is not None:
+                facts["failed"][provider] = why
     facts["gpus"] = _gpus()
     return facts
 
@@ -90,12 +99,15 @@ def _gpus() -> list[str]:
 def diagnose(facts: dict) -> list[Verdict]:
     ort = facts.get("onnxruntime") or facts.get("onnxruntime_gpu")
     providers, gpus = facts.get("providers", []), facts.get("gpus", [])
+    failed = facts.get("failed", {})
     trt = facts.get("tensorrt")
     both = bool(facts.get("onnxruntime") and facts.get("onnxruntime_gpu"))
     verdicts = [
         Verdict("onnxruntime", bool(ort), f"onnxruntime {ort}" if ort else "pip install specrt"),
-        _provider("onnxruntime-cuda", "CUDAExecutionProvider", providers, gpus, both),
-        _provider("onnxruntime-tensorrt", "TensorrtExecutionProvider", providers, gpus, both),
+        _provider("onnxruntime-cuda", "CUDAExecutionProvider", providers, failed, gpus, both),
+        _provider(
+            "onnxruntime-tensorrt", "TensorrtExecutionProvider", providers, failed, gpus, both
+        ),
     ]
     if not trt:
         verdicts.append(Verdict("tensorrt", False, f"TensorRT is not installed; {GPU_HINT}"))
@@ -123,13 +135,21 @@ def diagnose(facts: dict) -> list[Verdict]:
 
 
 def _provider(
-    backend: str, provider: str, providers: list[str], gpus: list[str], side_by_side: bool
+    backend: str,
+    provider: str,
+    providers: list[str],
+    failed: dict[str, str],
+    gpus: list[str],
+    side_by_side: bool,
 ) -> Verdict:
-    """side_by_side: onnxruntime and onnxruntime-gpu both installed, the usual reason a GPU
-    provider is missing (said as the cause where it is, as a warning where it is not yet)."""
+    """failed: the providers compiled in that did not start, with why. side_by_side:
+    onnxruntime and onnxruntime-gpu both installed, the usual reason a GPU provider is missing
+    (said as the cause where it is, as a warning where it is not yet)."""
     if provider not in providers:
         hint = SIDE_BY_SIDE if side_by_side else GPU_HINT
         return Verdict(backend, False, f"this onnxruntime has no {provider}; {hint}")
+    if provider in failed:
+        return Verdict(backend, False, f"{provider} is compiled in, but {failed[provider]}")
     if not gpus:
         return Verdict(backend, False, f"{provider} is installed, but no CUDA GPU is visible")
     warning = f" (warning: {SIDE_BY_SIDE})" if side_by_side else ""

@@ -30,6 +30,7 @@ from specrt.files import specrt_home
 from specrt.profiles import input_shapes, keep_values, profiles_from_manifest
 
 DEVICE_OF_PROVIDER = {"CUDAExecutionProvider": "cuda", "TensorrtExecutionProvider": "cuda"}
+CUDA = ("CUDAExecutionProvider", {"use_tf32": "0"})  # float32 MatMuls in float32
 PROVIDER_OF_BACKEND = {
     "onnxruntime": "CPUExecutionProvider",
     "onnxruntime-cuda": "CUDAExecutionProvider",
@@ -71,9 +72,8 @@ def providers_for(bundle: Bundle, role: str, backend: str, slots: int = 1) -> li
     if backend == "onnxruntime":
         return [provider]
     gpu_libraries()
-    cuda = ("CUDAExecutionProvider", {"use_tf32": "0"})  # float32 MatMuls in float32
     if backend == "onnxruntime-cuda":
-        return [cuda, "CPUExecutionProvider"]
+        return [CUDA, "CPUExecutionProvider"]
     # The graph's own types decide the precision: fp16 kernels for an fp16 graph only, so a
     # float32 bundle stays float32 (and exact against the CPU target), TF32 off included.
     fp16 = bundle.role(role).precision == "fp16"
@@ -87,7 +87,7 @@ def providers_for(bundle: Bundle, role: str, backend: str, slots: int = 1) -> li
         "trt_engine_cache_path": str(cache),
         "trt_timing_cache_enable": "True",
     }
-    return [(provider, options), cuda, "CPUExecutionProvider"]
+    return [(provider, options), CUDA, "CPUExecutionProvider"]
 
 
 def check_providers(asked: Sequence[str | tuple[str, dict]], running: Sequence[str]) -> None:

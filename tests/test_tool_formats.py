@@ -11,6 +11,7 @@ later Mistral instruct models), Phi-4-mini-instruct, Llama 3.2's pythonic templa
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -144,14 +145,24 @@ def roomy(pairs, tmp_path_factory) -> Path:
     return build_bundle(str(draft), str(target), out, max_context=1024, log=lambda _: None)
 
 
-@pytest.fixture(scope="module", params=list(TEMPLATES))
-def server(request, roomy, tmp_path_factory):
-    path = tmp_path_factory.mktemp("templates") / f"{request.param}.jinja"
-    path.write_text(TEMPLATES[request.param])
+@contextmanager
+def _serving_format(name: str, roomy: Path, tmp_path_factory):
+    """The server writing calls in format `name`: its template from TEMPLATES, or for Hermes
+    the tiny model's own (Qwen2.5's); yields the client and the format."""
+    path = None
+    if name != "hermes":
+        path = tmp_path_factory.mktemp("templates") / f"{name}.jinja"
+        path.write_text(TEMPLATES[name])
     settings = ServeSettings(bundle=roomy, model_name="tiny", calibrate=False, chat_template=path)
     with serving(settings) as (base, _):
         wait_healthy(base)
-        yield client(base, timeout=60), FORMATS[request.param]
+        yield client(base, timeout=60), FORMATS[name]
+
+
+@pytest.fixture(scope="module", params=list(TEMPLATES))
+def server(request, roomy, tmp_path_factory):
+    with _serving_format(request.param, roomy, tmp_path_factory) as served:
+        yield served
 
 
 def _chat(api, off=False, **options):
@@ -300,15 +311,8 @@ def test_whitespace_after_a_call_never_promises_another(roomy, name):
 
 @pytest.fixture(scope="module", params=["hermes", *TEMPLATES])
 def any_format(request, roomy, tmp_path_factory):
-    """The server in each format: Hermes in the tiny model's own Qwen2.5 template."""
-    path = None
-    if request.param != "hermes":
-        path = tmp_path_factory.mktemp("templates") / f"{request.param}.jinja"
-        path.write_text(TEMPLATES[request.param])
-    settings = ServeSettings(bundle=roomy, model_name="tiny", calibrate=False, chat_template=path)
-    with serving(settings) as (base, _):
-        wait_healthy(base)
-        yield client(base, timeout=60), FORMATS[request.param]
+    with _serving_format(request.param, roomy, tmp_path_factory) as served:
+        yield served
 
 
 def test_required_with_several_tools_ends_in_tool_calls(any_format, roomy):

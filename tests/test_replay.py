@@ -12,7 +12,7 @@ from fixed_costs import FixedCosts, flat_costs, gguf_costs
 
 from specrt.errors import SpecrtError
 from specrt.runtime import SpeculativeRuntime
-from specrt.runtime.controller import Adaptive, PooledAcceptance
+from specrt.runtime.controller import PROBE_AFTER, Adaptive, PooledAcceptance
 from specrt.tools import replay
 
 PROMPT = "def fibonacci(n):"
@@ -81,3 +81,41 @@ def test_a_file_that_is_not_a_trace_says_so(tmp_path):
     traces = [replay.Trace(3, [True, False], [1.0, 0.5])]
     replay.save(traces, path)
     assert replay.load(path) == traces
+
+
+def _drafting_positions(result: replay.Replay) -> list[tuple[int, int]]:
+    """(answer position, K) of each round of a one-request replay."""
+    rounds, position = [], 1
+    for k, accepted in zip(result.ks[0], result.accepted[0], strict=True):
+        rounds.append((position, k))
+        position += accepted + 1
+    return rounds
+
+
+@pytest.mark.parametrize("curves", ["flat", "gguf"])
+def test_a_losing_request_stops_within_rounds_and_drafts_again_once_drafts_pay(curves):
+    """A request unlike its runtime's others (the pool at 0.9): its first 150 tokens reject
+    every draft (a question about a file), its last 150 accept every one (a quote from it).
+    It stops within 6 drafting rounds (its own drafts bound its estimate, `Adaptive.ceiling`),
+    probes at a bounded cost, and drafts again within a probe's wait of the change where a
+    probe is cheap (the flat curves; on the gguf ones a probe must first feed the draft model
+    every token it missed, 5 % of a target call each, so it waits). Over the request it runs at
+    0.97x the best fixed K at least. Control, the controller before: 39 drafting rounds before
+    it stopped on the flat curves, 19 on the gguf ones, and 0.966x the target alone there."""
+    costs = {"flat": flat_costs, "gguf": gguf_costs}[curves]()
+    trace = replay.Trace(40, [False] * 150 + [True] * 150, [0.9] * 300)
+
+    def run(controller: str) -> replay.Replay:
+        pool = PooledAcceptance()
+        pool.observe("model", 90, 10)
+        return replay.replay([trace], controller, 1, costs, pool=pool)
+
+    adaptive = run("adaptive")
+    rounds = _drafting_positions(adaptive)
+    first_stop = next(i for i, (_, k) in enumerate(rounds) if k == 0)
+    assert first_stop <= 6
+    if curves == "flat":
+        again = next(p for p, k in rounds if k and p >= 150)
+        assert again <= 150 + PROBE_AFTER + 2
+    best = max(run(f"fixed:{k}").tokens_per_s for k in range(9))
+    assert adaptive.tokens_per_s >= 0.97 * best

@@ -29,7 +29,10 @@ from specrt.runtime.costs import StepCosts
 from specrt.runtime.pricing import ROUND_LAG, price_round
 
 PROBE_AFTER = 16  # rounds at K = 0 after which an adaptive request drafts one token again...
-PROBE_COST = 1.1  # ...if the wider call costs at most this much more than the round chosen
+PROBE_COST = 1.1  # ...in a batch, if the wider call costs at most this much more than its round
+PROBE_SHARE = 0.03  # alone, if its extra cost is at most this share of the rounds it waited
+DOUBT_Z = 1.0  # a request's own drafts bound its acceptance at their one-sided 84 % (Wilson)...
+DOUBT_AFTER = 4.0  # ...once this many were judged (one rejection alone never stops drafting)
 SWITCH_GAIN = 1.05  # a batch starts or stops the model's drafts only for this much more tok/s
 WARM_UP_K = 4  # drafts a round takes while a source cannot be priced yet
 POOL_WARM = 8.0  # drafts of a source a runtime judges (decayed) before it prices that source
@@ -167,6 +170,7 @@ class Adaptive:
     counts: dict[str, list[float]] = field(init=False, default_factory=dict)  # [acc., rej.]
     idle: int = field(init=False, default=0)  # rounds in a row without drafting
     last_k: int | None = field(init=False, default=None)  # drafts of its last round
+    probing: bool = field(init=False, default=False)  # its last decision was a probe
 
     def alpha(self, source: str = "model") -> float:
         """Acceptance per drafted token: the geometric MLE over this request's recent (decayed)
@@ -176,10 +180,30 @@ class Adaptive:
         lucky streaks into long rounds and single rejections down to K = 0. At 2 clients on the
         gguf target that ran at 0.91x the best fixed K (its K jumped 1..8 round by round, and
         requests whose first drafts were rejected never drafted again); shrunk toward the pool,
-        1.00x in the same benchmark (replayed, `specrt.tools.replay`: 0.97x where it was 0.93x)."""
+        1.00x in the same benchmark (replayed, `specrt.tools.replay`: 0.97x where it was 0.93x).
+
+        The estimate never exceeds what the request's own drafts allow (`ceiling`): a request
+        unlike the runtime's others (a question about a file, after code completions) has its
+        drafts rejected while the pool's share keeps the estimate up, and it went on drafting
+        at a loss for dozens of rounds (replayed: 45 of 150 rounds whose drafts were all
+        rejected, at a pool of 0.9)."""
         accepted, rejected = self.counts.get(source, (0.0, 0.0))
         weight = self.pool_weight
-        return (accepted + weight * self._base(source)) / (accepted + rejected + weight)
+        shrunk = (accepted + weight * self._base(source)) / (accepted + rejected + weight)
+        return min(shrunk, self.ceiling(source))
+
+    def ceiling(self, source: str = "model") -> float:
+        """The highest acceptance this request's own (decayed) drafts make plausible: their
+        one-sided 84 % Wilson bound, once DOUBT_AFTER were judged (1 before). Five drafts
+        rejected in a row bound it near 0.2; a lucky streak never raises the estimate (the
+        pool's share holds it down)."""
+        accepted, rejected = self.counts.get(source, (0.0, 0.0))
+        n = accepted + rejected
+        if n < DOUBT_AFTER:
+            return 1.0
+        p, z2 = accepted / n, DOUBT_Z**2
+        spread = DOUBT_Z * np.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
+        return float(min(1.0, (p + z2 / (2 * n) + spread) / (1 + z2 / n)))
 
     def _base(self, source: str) -> float:
         if self.pool is not None and self.pool.warm(source):
@@ -206,6 +230,10 @@ class Adaptive:
     def observe(self, k: int, accepted: int, source: str = "model") -> None:
         self.idle = 0 if k else self.idle + 1
         self.last_k = k
+        if self.probing:
+            self.probing = False
+            if accepted:  # the text has moved on (a code block, a quote): its old drafts with it
+                self.counts.pop(source, None)
         if k > 0:
             rejected = 1 if accepted < k else 0  # drafts after a rejection are never judged
             own = self.counts.setdefault(source, [0.0, 0.0])
@@ -303,21 +331,27 @@ def _priced(policies, contexts, capped, costs: StepCosts, others) -> list[Decisi
 
 def _probed(policies, contexts, caps, ks, reasons, costs: StepCosts, batch, price) -> list:
     """The decisions, one request probing acceptance (K = 1) after PROBE_AFTER rounds without
-    drafts where that is cheap. A probe widens the whole call to 2 tokens a row and may first
-    catch the draft model up on every token since it last drafted. In a batch everyone waits
-    for both, so a probe goes ahead only where the round stays within PROBE_COST of its price,
-    one request per round; alone, a request delays only itself and spreads its catch-up over
-    its idle rounds."""
+    drafts where that is cheap; an accepted probe lets the request price its drafts afresh
+    (`Adaptive.observe`). A probe
+    widens the whole call to 2 tokens a row and may first catch the draft model up on every
+    token since it last drafted. In a batch everyone waits for both, so a probe goes ahead only
+    where the round stays within PROBE_COST of its price, one request per round; alone, a
+    request delays only itself: its probe's extra cost, spread over the rounds it waited, must
+    stay under PROBE_SHARE of a round. (Held to PROBE_COST alone too, a request on a verify
+    curve 12 % wider at 2 tokens never probed, and never drafted again once it had stopped.)"""
     wider = costs.verify_cost(batch * max(2, max(ks) + 1))
     probed = False
     decisions = []
     for policy, k, cap, why, ctx in zip(policies, ks, caps, reasons, contexts, strict=True):
         catch_up = costs.catch_up_cost(ctx.lag) if ctx.source == "model" else 0.0
-        share = catch_up if batch > 1 else catch_up / max(policy.idle, 1)
-        cheap_probe = not probed and wider + share <= PROBE_COST * price
-        if k == 0 and cap > 0 and policy.idle >= PROBE_AFTER and cheap_probe:
+        if batch > 1:
+            cheap_probe = wider + catch_up <= PROBE_COST * price
+        else:
+            extra = wider - price + costs.draft_cost(ctx.source, 1) + catch_up
+            cheap_probe = extra <= PROBE_SHARE * price * policy.idle
+        if k == 0 and cap > 0 and policy.idle >= PROBE_AFTER and cheap_probe and not probed:
             k, why = 1, f"{why}; probing acceptance after {policy.idle} rounds without drafts"
-            probed = True
+            probed = policy.probing = True
         decisions.append(Decision(k, why))
     return decisions
 

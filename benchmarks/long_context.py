@@ -20,7 +20,10 @@ only its own decode, the draft model's catch-up included, and each starts from t
 calibrated at load and no acceptance seen (a run's rounds would otherwise set the next one's
 course). `--task completion` sends the cut
 source as plain text to continue (code completion, as an editor sends a file) instead of a
-chat question about it. With `--llama-cpp DIR` (a folder with llama-server, or
+chat question about it; `--task summary` asks for a summary of it, `--task system` sends it as
+a long system prompt with a short question after it (TASKS). `--runs target,fixed:1,fixed:3,
+adaptive` sets the runs side by side (any of target, whole, adaptive, fixed:K; the table then
+gives adaptive against the better of the target alone and the best fixed K). With `--llama-cpp DIR` (a folder with llama-server, or
 $SPECRT_LLAMA_CPP, or PATH), llama-server gets the same prompt's token ids on the bundle's GGUF
 files, alone and with the draft GGUF, one slot, as many threads, `cache_prompt` off.
 """
@@ -46,8 +49,13 @@ PACKAGE = HERE.parent / "src" / "specrt"
 QUESTION = "\n\nWhat does the code above do? Answer briefly."
 TASKS = {
     "chat": "a source file cut to N tokens and a question about it, as a chat message",
+    "summary": "a source file cut to N tokens and a request to summarise it, as a chat message",
+    "system": "a source file cut to N tokens as a long system prompt, and a short question",
     "completion": "a source file cut to N tokens, continued as plain text (code completion)",
 }
+SUMMARY = "\n\nSummarise the code above: what each part is for, in a few paragraphs."
+ASKED = "Which classes does the reference code define, and what is each one for?"
+RUNS = ("target", "whole", "adaptive")  # --runs' default; also fixed:K
 NEW_TOKENS = 8
 ANSWER = 64  # new tokens of the speculation rows, by default
 
@@ -81,9 +89,18 @@ def one(bundle: str, size: int, piece: int) -> dict:
     }
 
 
-def speculation_row(bundle: str, size: int, task: str, answer: int) -> dict:
-    """One size, in this process: the target alone, then adaptive speculation reading the
-    prompt whole, then in its window, each answering `answer` tokens after the same prompt
+def task_prompt(task: str, text: str):
+    """The prompt a task sends around the cut source text."""
+    if task == "completion":
+        return text
+    if task == "system":
+        return [{"role": "system", "content": text}, {"role": "user", "content": ASKED}]
+    return [{"role": "user", "content": text + (SUMMARY if task == "summary" else QUESTION)}]
+
+
+def speculation_row(bundle: str, size: int, task: str, answer: int, runs: list[str]) -> dict:
+    """One size, in this process: each run (the target alone, adaptive speculation reading the
+    prompt whole or in its window, fixed:K) answering `answer` tokens after the same prompt
     (the speculating runs from the target alone's prefix in the slot), each from the
     calibrated costs and a fresh acceptance pool."""
     from specrt.runtime import SpeculativeRuntime
@@ -93,14 +110,15 @@ def speculation_row(bundle: str, size: int, task: str, answer: int) -> dict:
     rt = SpeculativeRuntime.load(bundle)
     calibrated = copy.deepcopy(rt.costs)
     text = rt.tokenizer.decode(rt.tokenizer.encode(source_text())[:size])
-    prompt = text if task == "completion" else [{"role": "user", "content": text + QUESTION}]
+    prompt = task_prompt(task, text)
     row = {"size": size, "prompt_ids": rt.encode(prompt), "window": DRAFT_WINDOW}
-    runs = {
+    known = {
         "target": {"speculate": False},
         "whole": {"drafter": make_drafter("model", rt.draft, window=None)},
         "adaptive": {},
     }
-    for name, options in runs.items():
+    for name in ["target", *(r for r in runs if r != "target")]:  # the target pays the prefill
+        options = known.get(name) or {"controller": name}
         rt.costs, rt.acceptance = copy.deepcopy(calibrated), PooledAcceptance()
         result = rt.generate(prompt, max_new_tokens=answer, ignore_eos=True, **options)
         s = result.stats
@@ -176,6 +194,8 @@ def markdown(result: dict) -> str:
 
 
 def _speculation_markdown(result: dict) -> str:
+    if tuple(result.get("runs", RUNS)) != RUNS:
+        return _runs_markdown(result)
     llama = result.get("llama_server") is not None
     lines = [
         "# Long prompts: what speculation gains after them",
@@ -204,6 +224,38 @@ def _speculation_markdown(result: dict) -> str:
         )
     if llama:
         lines += ["", *_llama_markdown(result)]
+    return "\n".join(lines) + "\n"
+
+
+def _runs_markdown(result: dict) -> str:
+    """Any set of runs side by side; adaptive against the better of the target alone and the
+    best fixed K (the goal: 0.97x at least)."""
+    runs = [r for r in result["runs"] if r != "target"]
+    lines = [
+        "# Long prompts: what speculation gains after them",
+        "",
+        f"One request, greedy, {result['answer']} new tokens, the default draft and target; "
+        f"{TASKS[result['task']]}. Each run: decode tok/s, mean K, drafts accepted; the "
+        f"speculating runs start from the target alone's prefix in the slot. `{result['command']}`",
+        "",
+        "| prompt tokens | target alone: first token, tok/s | "
+        + " | ".join(runs)
+        + " | adaptive / better of off and fixed | same output |",
+        "|---" * (len(runs) + 4) + "|",
+    ]
+    for row in result["rows"]:
+        alone = row["target"]
+        best = max(
+            row[r]["decode_tokens_per_s"] for r in ["target", *runs] if not r.startswith("a")
+        )  # the target alone and the fixed Ks
+        ratio = row["adaptive"]["decode_tokens_per_s"] / best if "adaptive" in row else None
+        same = all(row[r]["tokens"] == alone["tokens"] for r in runs)
+        cells = " | ".join(_run_cell(row[r]) for r in runs)
+        lines.append(
+            f"| {row['prompt_tokens']:,} | {alone['ttft_s']:.1f} s, "
+            f"{alone['decode_tokens_per_s']:.2f} | {cells} | "
+            f"{'–' if ratio is None else f'{ratio:.2f}×'} | {'yes' if same else 'NO'} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -253,6 +305,12 @@ def _llama_markdown(result: dict) -> list[str]:
 @click.option("--llama-cpp", type=click.Path(path_type=Path), help="--speculation: llama-server.")
 @click.option("--task", type=click.Choice(list(TASKS)), default="chat", show_default=True)
 @click.option("--answer", default=ANSWER, show_default=True, help="--speculation: new tokens.")
+@click.option(
+    "--runs",
+    default=",".join(RUNS),
+    show_default=True,
+    help="--speculation: target, whole, adaptive and fixed:K runs, side by side.",
+)
 @click.option("--one", "one_row", nargs=2, type=int, default=None, hidden=True)
 def main(
     bundle: Path,
@@ -263,18 +321,19 @@ def main(
     llama_cpp,
     task: str,
     answer: int,
+    runs: str,
     one_row,
 ) -> None:
     """--task: what the --speculation prompts ask (see TASKS)."""
     if one_row:
         size, piece = one_row
         if speculation:
-            print(json.dumps(speculation_row(str(bundle), size, task, answer)))
+            print(json.dumps(speculation_row(str(bundle), size, task, answer, runs.split(","))))
         else:
             print(json.dumps(one(str(bundle), size, piece)))
         return
     if speculation:
-        _compare_speculation(bundle, sizes, out, llama_cpp, task, answer)
+        _compare_speculation(bundle, sizes, out, llama_cpp, task, answer, runs)
         return
     rows = []
     for size in (int(n) for n in sizes.split(",")):
@@ -298,18 +357,24 @@ def main(
 
 
 def _compare_speculation(
-    bundle: Path, sizes: str, out: Path, llama_cpp: Path | None, task: str, answer: int
+    bundle: Path,
+    sizes: str,
+    out: Path,
+    llama_cpp: Path | None,
+    task: str,
+    answer: int,
+    runs: str,
 ) -> None:
     rows = []
     for size in (int(n) for n in sizes.split(",")):
         command = [sys.executable, __file__, str(bundle), "--speculation", "--task", task]
-        command += ["--answer", str(answer)]
+        command += ["--answer", str(answer), "--runs", runs]
         command += ["--one", str(size), "0"]
         done = subprocess.run(command, capture_output=True, text=True, check=True)
         rows.append(json.loads(done.stdout.splitlines()[-1]))
         print(
             f"{size} tokens: {rows[-1]['target']['decode_tokens_per_s']} / "
-            f"{rows[-1]['adaptive']['decode_tokens_per_s']} tok/s",
+            f"{rows[-1].get('adaptive', {}).get('decode_tokens_per_s')} tok/s",
             flush=True,
         )
     llama = llama_rows(bundle, llama_cpp, rows)
@@ -317,11 +382,13 @@ def _compare_speculation(
         del row["prompt_ids"]  # thousands of ids a row: the sizes name the prompts
     command = "python benchmarks/long_context.py BUNDLE --speculation "
     command += f"--task {task} --answer {answer} --sizes {sizes}"
+    command += "" if runs == ",".join(RUNS) else f" --runs {runs}"
     result = {
         "kind": "long_context",
         "mode": "speculation",
         "task": task,
         "answer": answer,
+        "runs": ["target", *(r for r in runs.split(",") if r != "target")],
         "machine": machine.describe(),
         "command": command + (" --llama-cpp DIR" if llama else ""),
         "bundle": str(bundle),

@@ -23,7 +23,8 @@ source as plain text to continue (code completion, as an editor sends a file) in
 chat question about it; `--task summary` asks for a summary of it, `--task system` sends it as
 a long system prompt with a short question after it (TASKS). `--runs target,fixed:1,fixed:3,
 adaptive` sets the runs side by side (any of target, whole, adaptive, fixed:K; the table then
-gives adaptive against the better of the target alone and the best fixed K). With `--llama-cpp DIR` (a folder with llama-server, or
+gives adaptive against the better of the target alone and the best fixed K). With
+`--llama-cpp DIR` (a folder with llama-server, or
 $SPECRT_LLAMA_CPP, or PATH), llama-server gets the same prompt's token ids on the bundle's GGUF
 files, alone and with the draft GGUF, one slot, as many threads, `cache_prompt` off.
 """

@@ -392,8 +392,6 @@ def main(**options) -> None:
     }
     text = markdown(result)
     click.echo(text)
-    if options["out"] is not None:
-        options["out"].parent.mkdir(parents=True, exist_ok=True)
     write_result(options["out"], result, text)
 
 

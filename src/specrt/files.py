@@ -139,5 +139,6 @@ def write_result(out: Path | None, result: dict, text: str) -> None:
     written `portable`."""
     if out is None:
         return
+    out.parent.mkdir(parents=True, exist_ok=True)  # a long run must not be lost to a missing folder
     write_json_atomic(out.with_suffix(".json"), portable(result))
     write_bytes_atomic(out.with_suffix(".md"), portable(text).encode())

@@ -509,3 +509,43 @@ def test_the_health_check_fails_when_the_engines_do(bundle, reference, tmp_path)
     replica.service.load()
     with pytest.raises(RuntimeError, match="does not match its recorded sha256"):
         replica.check_health()
+
+
+def test_a_replica_shutting_down_ends_what_it_still_runs(bundle, reference):
+    """Ray's shutdown hook (`EngineReplica.__del__`, made without a replica context as
+    above): a request still running ends as `specrt serve`'s drain ends it, its result's
+    finish_reason "shutdown" (the stream's last chunk says so), a queued one fails with a 503,
+    and the replica refuses what comes after."""
+    import asyncio
+
+    from specrt.serve.errors import APIError
+    from specrt.serve.events import Delta, Done, Failed
+    from specrt.serve.protocol import CompletionRequest
+    from specrt.serve.ray import EngineReplica
+    from specrt.serve.service import LocalService
+    from specrt.serve.worker import Job
+
+    replica = object.__new__(EngineReplica)
+    replica.service = LocalService(replace(settings_for(bundle), max_batch=1), reference)
+
+    async def last(job: Job):
+        while isinstance(event := await job.next(), Delta):
+            pass
+        return event
+
+    async def scenario() -> None:
+        replica.service.start()
+        jobs = [
+            Job(reference.sequence(p, max_new_tokens=480, ignore_eos=True)) for p in PROMPTS[:2]
+        ]
+        for job in jobs:
+            replica.service.worker.submit(job)
+        assert isinstance(await jobs[0].next(), Delta)  # the first runs, the second waits
+        await replica.__del__()
+        running, queued = [await last(job) for job in jobs]
+        assert isinstance(running, Done) and running.result.finish_reason == "shutdown"
+        assert isinstance(queued, Failed) and queued.error.status == 503
+        with pytest.raises(APIError, match="shutting down"):
+            await replica.service.open(CompletionRequest(prompt="x", max_tokens=2))
+
+    asyncio.run(scenario())

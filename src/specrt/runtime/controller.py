@@ -31,8 +31,7 @@ from specrt.runtime.pricing import ROUND_LAG, price_round
 PROBE_AFTER = 16  # rounds at K = 0 after which an adaptive request drafts one token again...
 PROBE_COST = 1.1  # ...in a batch, if the wider call costs at most this much more than its round
 PROBE_SHARE = 0.03  # alone, if its extra cost is at most this share of the rounds it waited
-DOUBT_Z = 1.0  # a request's own drafts bound its acceptance at their one-sided 84 % (Wilson)...
-DOUBT_AFTER = 4.0  # ...once this many were judged (one rejection alone never stops drafting)
+DOUBT_Z, DOUBT_AFTER = 1.0, 4.0  # own drafts bound acceptance (84 %, Wilson) once 4 are judged
 SWITCH_GAIN = 1.05  # a batch starts or stops the model's drafts only for this much more tok/s
 WARM_UP_K = 4  # drafts a round takes while a source cannot be priced yet
 POOL_WARM = 8.0  # drafts of a source a runtime judges (decayed) before it prices that source
@@ -182,11 +181,9 @@ class Adaptive:
         requests whose first drafts were rejected never drafted again); shrunk toward the pool,
         1.00x in the same benchmark (replayed, `specrt.tools.replay`: 0.97x where it was 0.93x).
 
-        The estimate never exceeds what the request's own drafts allow (`ceiling`): a request
-        unlike the runtime's others (a question about a file, after code completions) has its
-        drafts rejected while the pool's share keeps the estimate up, and it went on drafting
-        at a loss for dozens of rounds (replayed: 45 of 150 rounds whose drafts were all
-        rejected, at a pool of 0.9)."""
+        It never exceeds what the request's own drafts allow (`ceiling`): unlike the runtime's
+        others, a request whose drafts were all rejected drafted 39 rounds at a loss while the
+        pool's share held its estimate up (replayed at a pool of 0.9)."""
         accepted, rejected = self.counts.get(source, (0.0, 0.0))
         weight = self.pool_weight
         shrunk = (accepted + weight * self._base(source)) / (accepted + rejected + weight)

@@ -114,14 +114,15 @@ def specrt_home() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "specrt"
 
 
-LLAMA_CPP_BINARY = re.compile(r"[\w.~+$/-]*/(llama-(?:server|bench|cli))\b")  # a build folder's
+# a program by a path of the machine's: llama.cpp's from its build folder, specrt's from a venv
+PROGRAM = re.compile(r"[\w.~+$/-]*/(llama-(?:server|bench|cli)|(?<=/bin/)specrt)\b")
 
 
 def portable(value):
     """A result (a dict, a list, a string) with its paths and commands as a user would type
-    them on any machine: specrt's home as $SPECRT_HOME, llama.cpp's programs by name (on the
-    PATH, as docs/benchmarks.md builds them), the user's home as ~. Which machine ran it is
-    `machine.describe()`'s, in a field of its own."""
+    them on any machine: specrt's home as $SPECRT_HOME, llama.cpp's programs and specrt by
+    name (on the PATH, as docs/benchmarks.md builds them), the user's home as ~. Which
+    machine ran it is `machine.describe()`'s, in a field of its own."""
     if isinstance(value, dict):
         return {key: portable(item) for key, item in value.items()}
     if isinstance(value, list | tuple):
@@ -129,7 +130,7 @@ def portable(value):
     if not isinstance(value, str):
         return value
     value = value.replace(str(specrt_home()), "$SPECRT_HOME")
-    value = LLAMA_CPP_BINARY.sub(r"\1", value)
+    value = PROGRAM.sub(r"\1", value)
     return value.replace(str(Path.home()), "~")
 
 

@@ -160,13 +160,10 @@ def time_engine(engine, prompt: int, widths: list[int], rows: int, repeat: int) 
 
 def ort_engine(path: Path, name: str, backend: str, capacity: int, rows: int):
     from specrt.engines.onnxruntime import OrtEngine
-    from specrt.engines.ort_providers import CUDA, gpu_libraries
+    from specrt.engines.ort_providers import plain_providers
 
-    if backend == "onnxruntime-cuda":
-        gpu_libraries()
     config = shape_config(name)
     heads = config["num_attention_heads"]
-    providers = [CUDA, "CPUExecutionProvider"] if backend == "onnxruntime-cuda" else None
     return OrtEngine(
         path,
         num_layers=config["num_hidden_layers"],
@@ -176,7 +173,7 @@ def ort_engine(path: Path, name: str, backend: str, capacity: int, rows: int):
         capacity=capacity,
         margin=CACHE_MARGIN,
         slots=rows,
-        providers=providers,
+        providers=plain_providers(backend),
     )
 
 

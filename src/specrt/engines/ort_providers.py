@@ -60,20 +60,12 @@ def trt_profile_options(bundle: Bundle, role: str, slots: int = 1) -> dict[str, 
 
 
 def providers_for(bundle: Bundle, role: str, backend: str, slots: int = 1) -> list:
-    """Execution providers for a backend name; a GPU provider that this onnxruntime build
-    lacks is an error, not a silent fall-back to the CPU."""
-    provider = PROVIDER_OF_BACKEND[backend]
-    if provider not in ort.get_available_providers():
-        raise SpecrtError(
-            f"backend {backend}: this onnxruntime has no {provider} (it has "
-            f"{', '.join(ort.get_available_providers())}); install onnxruntime-gpu, and TensorRT "
-            "for the TensorRT provider (see docs/gpu.md)"
-        )
-    if backend == "onnxruntime":
-        return [provider]
+    """Execution providers for a backend name and a bundle's role (the TensorRT provider's
+    options come from the bundle); see `plain_providers` for the others."""
+    if backend != "onnxruntime-tensorrt":
+        return plain_providers(backend)
+    provider = _available(backend)
     gpu_libraries()
-    if backend == "onnxruntime-cuda":
-        return [CUDA, "CPUExecutionProvider"]
     # The graph's own types decide the precision: fp16 kernels for an fp16 graph only, so a
     # float32 bundle stays float32 (and exact against the CPU target), TF32 off included.
     fp16 = bundle.role(role).precision == "fp16"
@@ -88,6 +80,28 @@ def providers_for(bundle: Bundle, role: str, backend: str, slots: int = 1) -> li
         "trt_timing_cache_enable": "True",
     }
     return [(provider, options), CUDA, "CPUExecutionProvider"]
+
+
+def plain_providers(backend: str) -> list:
+    """Execution providers for `onnxruntime` or `onnxruntime-cuda`, which need no bundle."""
+    provider = _available(backend)
+    if backend == "onnxruntime":
+        return [provider]
+    gpu_libraries()
+    return [CUDA, "CPUExecutionProvider"]
+
+
+def _available(backend: str) -> str:
+    """The backend's provider; one this onnxruntime build lacks is an error, not a silent
+    fall-back to the CPU."""
+    provider = PROVIDER_OF_BACKEND[backend]
+    if provider not in ort.get_available_providers():
+        raise SpecrtError(
+            f"backend {backend}: this onnxruntime has no {provider} (it has "
+            f"{', '.join(ort.get_available_providers())}); install onnxruntime-gpu, and TensorRT "
+            "for the TensorRT provider (see docs/gpu.md)"
+        )
+    return provider
 
 
 def check_providers(asked: Sequence[str | tuple[str, dict]], running: Sequence[str]) -> None:

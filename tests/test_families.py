@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 from row_checks import attention_paths_differ
 
+import specrt.exporter.batched_attention as batched
 import specrt.exporter.graph as graph
 from specrt.bundle import Bundle
 from specrt.errors import SpecrtError
@@ -142,6 +143,25 @@ def test_in_place_and_row_by_row_attention_agree(folders, tmp_path, family):
     """Soft-caps, sliding windows and a partial rotary alike on both of attention's paths."""
     target = Bundle.load(_build(folders[family], tmp_path / "b")).role("target")
     assert attention_paths_differ(target) == 0.0
+
+
+@pytest.mark.parametrize("form", batched.FORMS)
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "qwen2-sliding", "phi4-mini"])
+def test_the_gpu_graph_keeps_each_familys_difference(folders, tmp_path, family, form):
+    """The batched attention of a GPU build in the build's own check: an fp32 GPU graph must
+    score as the CPU graph within the check's tolerance, or the build refuses it."""
+    gpu = batched.GpuGraph(form, "fp32")
+    out = build_bundle(None, str(folders[family]), tmp_path / "b", max_context=256, gpu=gpu)
+    check = Bundle.load(out).manifest["roles"]["target"]["export_check"]
+    assert check["gpu_graph_vs_float32"]["max_abs_logit_diff_vs_float32"] <= check["tolerance"]
+
+
+def test_the_check_refuses_a_gpu_graph_without_the_softcap(folders, tmp_path, monkeypatch):
+    """The control: Gemma 2's batched attention without its score softcap is refused."""
+    monkeypatch.setattr(batched, "softcap", lambda b, scores, cap: scores)
+    gpu = batched.GpuGraph("matmul", "fp32")
+    with pytest.raises(SpecrtError, match="GPU graph differs"):
+        build_bundle(None, str(folders["gemma2"]), tmp_path / "b", max_context=256, gpu=gpu)
 
 
 def test_windows_follow_the_config(folders):

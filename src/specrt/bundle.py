@@ -45,6 +45,14 @@ class Role:
     def graph(self) -> Path:
         return self.folder / self.info["graph"]
 
+    def graph_for(self, backend: str) -> Path:
+        """The graph this backend runs: the role's GPU graph (batched attention, caches by
+        head) where the bundle has one for it, else the graph every backend runs."""
+        gpu = self.info.get("gpu", {})
+        if backend in gpu.get("backends", ()):
+            return self.folder / gpu["graph"]
+        return self.graph
+
     @property
     def tokenizer_file(self) -> Path:
         return self.folder / "tokenizer.json"

@@ -63,10 +63,26 @@ from specrt.files import specrt_home
 )
 @click.option(
     "--backend",
-    type=click.Choice(["onnxruntime", "tensorrt"]),
+    type=click.Choice(["onnxruntime", "onnxruntime-cuda", "tensorrt"]),
     default="onnxruntime",
     show_default=True,
-    help="tensorrt also compiles each graph into a TensorRT engine (TensorRT 10.1+, a GPU).",
+    help="tensorrt also compiles each graph into a TensorRT engine (TensorRT 10.1+, a GPU); "
+    "onnxruntime-cuda also writes each role a graph with batched attention for ONNX Runtime's "
+    "CUDA provider (built and checked on any machine).",
+)
+@click.option(
+    "--gpu-precision",
+    type=click.Choice(["fp16", "fp32"]),
+    default="fp16",
+    show_default=True,
+    help="onnxruntime-cuda: the GPU graph's precision (fp32: exact against the CPU graph).",
+)
+@click.option(
+    "--gpu-attention",
+    type=click.Choice(["matmul", "onnx"]),
+    default="matmul",
+    show_default=True,
+    help="onnxruntime-cuda: MatMul/Softmax/MatMul, or ONNX's Attention op (opset 23).",
 )
 @click.option(
     "--trt-precision",
@@ -102,12 +118,15 @@ def build(
     kv_cache: str,
     chat_template: Path | None,
     backend: str,
+    gpu_precision: str,
+    gpu_attention: str,
     trt_precision: str,
     workspace: float,
     timing_cache: Path | None,
     version_compatible: bool,
 ):
     """Export DRAFT and TARGET to an ONNX bundle, checked against PyTorch."""
+    from specrt.exporter.batched_attention import GpuGraph
     from specrt.exporter.build import build_bundle
     from specrt.exporter.precision import Precision, default_weights
     from specrt.exporter.tensorrt import TrtOptions
@@ -143,6 +162,7 @@ def build(
         force=force,
         precision=precision,
         tensorrt=tensorrt,
+        gpu=GpuGraph(gpu_attention, gpu_precision) if backend == "onnxruntime-cuda" else None,
         chat_template=read_template(chat_template) if chat_template else None,
         log=_log,
     )

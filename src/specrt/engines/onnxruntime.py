@@ -39,6 +39,7 @@ FLOAT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 # RSS of 7.0 GB; in pieces of 512 tokens, 87.6 s and 3.2 GB; of 256, 86.7 s and 2.9 GB
 # (docs/limits.md, "Long prompts").
 PIECE = 256
+_FIRST_CACHE = "past_key_values.0.key"
 
 
 def default_threads() -> int:
@@ -83,11 +84,18 @@ class OrtEngine(BufferCache):
         self._binding = self.session.io_binding()
         types = {i.name: i.type for i in self.session.get_inputs()}
         types.update({o.name: o.type for o in self.session.get_outputs()})
-        self._cache_type = FLOAT_TYPES[types["past_key_values.0.key"]]
+        self._cache_type = FLOAT_TYPES[types[_FIRST_CACHE]]
         self._logits_type = FLOAT_TYPES[types["logits"]]
-        # A lone row binds at its length, but TensorRT's profiles fix the caches' shape.
-        self._in_place = provider_name(providers[0]) != "TensorrtExecutionProvider"
+        # A graph whose caches are laid out by head attends over them whole in every call
+        # (exporter/batched_attention.py); the CPU graph's lone row binds at its length, but
+        # TensorRT's profiles fix the caches' shape.
+        cache_dims = next(i.shape for i in self.session.get_inputs() if i.name == _FIRST_CACHE)
+        self.by_head = cache_dims[2] == "positions"
+        trt = provider_name(providers[0]) == "TensorrtExecutionProvider"
+        self._in_place = not (trt or self.by_head)
         self._row_shape = [self._positions_held, num_kv_heads, head_dim]
+        if self.by_head:
+            self._row_shape[:2] = [num_kv_heads, self._positions_held]
         self._pages: list[mmap.mmap] = []  # the CPU caches' mappings (see `release`)
         self._caches = [
             self._zeros([slots, *self._row_shape], f"past_key_values.{i}.{kind}")
@@ -147,7 +155,7 @@ class OrtEngine(BufferCache):
         the system (`madvise(MADV_DONTNEED)`: they read as zeros when next touched), so the
         resident cache follows the sequences the slots hold, not the longest they ever held."""
         super().release(slot, keep)
-        if self.device != "cpu" or not hasattr(mmap, "MADV_DONTNEED"):
+        if self.device != "cpu" or self.by_head or not hasattr(mmap, "MADV_DONTNEED"):
             return
         # The slot's positions from `keep` on are one span: the cache is laid out by position.
         start = slot * self._row_bytes + keep * self._row_bytes // self._positions_held
@@ -164,7 +172,8 @@ class OrtEngine(BufferCache):
     ) -> OrtEngine:
         r = bundle.role(role)
         slots = options.get("slots", 1)
-        options.setdefault("providers", providers_for(bundle, role, backend, slots))
+        if "providers" not in options:  # a test may run a GPU graph on the CPU's provider
+            options["providers"] = providers_for(bundle, role, backend, slots)
         # Only the target's numbers decide the output; a draft may differ between call shapes.
         # The target's padding is probed unless the caller decides it (even_rows=True/False).
         probe = role == "target" and options.get("even_rows") is None
@@ -177,7 +186,7 @@ class OrtEngine(BufferCache):
                 "tokens; build the target as fp32, int8 or int4 for CPU"
             )
         engine = cls(
-            r.graph,
+            r.graph_for(backend),
             num_layers=r.dim("num_layers"),
             num_kv_heads=r.dim("num_kv_heads"),
             head_dim=r.dim("head_dim"),
@@ -264,11 +273,11 @@ class OrtEngine(BufferCache):
 
     def copy_prefix(self, source: int, slot: int, length: int) -> bool:
         """Copy the rows' first positions in host memory; a device cache has no host copy
-        (the caller then feeds the tokens)."""
+        and a cache by head no contiguous prefix (the caller then feeds the tokens)."""
         check_slot(self, source)
         check_slot(self, slot)
         check_rollback(self, length, source)
-        if self.device != "cpu":
+        if self.device != "cpu" or self.by_head:
             return False
         tokens = self.held(source)[:length]
         for _, _, host in self._caches:
@@ -282,7 +291,7 @@ class OrtEngine(BufferCache):
         [caches, end - start, kv_heads, head_dim] (the host prefix store keeps them)."""
         check_slot(self, slot)
         check_rollback(self, end, slot)
-        if self.device != "cpu":
+        if self.device != "cpu" or self.by_head:
             return None
         return np.stack([host[slot, start:end] for _, _, host in self._caches])
 
@@ -305,16 +314,18 @@ class OrtEngine(BufferCache):
         shape = [n, *self._row_shape]
         if self._in_place and n == 1:  # a lone row at exactly its length: read in place
             shape[1] = total
-        if (first, n, shape[1]) != self._bound:  # n cache rows from slot `first`, in place
+        width = shape[2] if self.by_head else shape[1]  # the positions bound
+        if (first, n, width) != self._bound:  # n cache rows from slot `first`, in place
             offset = first * self._row_bytes
             for name, buffer, _ in self._caches:
                 for bind_at, bound in ((bind.bind_input, name), (bind.bind_output, _present(name))):
                     bind_at(
                         bound, self.device, 0, self._cache_type, shape, buffer.data_ptr() + offset
                     )
-            self._bound = (first, n, shape[1])
+            self._bound = (first, n, width)
         bind.bind_cpu_input("input_ids", ids)
-        bind.bind_cpu_input("attention_mask", self._mask[:n, :total])
+        # A graph by head reads a mask as wide as its caches are bound.
+        bind.bind_cpu_input("attention_mask", self._mask[:n, : width if self.by_head else total])
         bind.bind_cpu_input("position_ids", positions)
         bind.bind_cpu_input("logits_to_keep", np.array([kept], dtype=np.int64))
         size = n * kept * self.vocab_size

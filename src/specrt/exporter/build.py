@@ -21,6 +21,7 @@ from pathlib import Path
 from specrt import __version__
 from specrt.bundle import CACHE_MARGIN, FORMAT_VERSION, MANIFEST, ROLES, check_pair
 from specrt.errors import SpecrtError
+from specrt.exporter.batched_attention import GPU_FOLDER, GpuGraph
 from specrt.exporter.check import (
     SAMPLE_TOKENS,
     check_graph,
@@ -50,6 +51,7 @@ class _Plan:
     max_context: int
     profiles: list[Profile]
     tensorrt: TrtOptions | None  # also compile a TensorRT engine per role
+    gpu: GpuGraph | None  # also write a graph for ONNX Runtime's CUDA provider per role
     log: Log
 
 
@@ -103,6 +105,7 @@ def build_bundle(
     force: bool = False,
     precision: dict[str, Precision] | None = None,
     tensorrt: TrtOptions | None = None,
+    gpu: GpuGraph | None = None,
     chat_template: str | None = None,
     log: Log = print,
 ) -> Path:
@@ -113,7 +116,9 @@ def build_bundle(
     every slot can hold it, and a CPU slot's memory follows what it holds). precision maps a
     role to its weight precision (float32 where not given); tensorrt, when given, also compiles
     each role's graph into a TensorRT engine (and fails before any export where TensorRT or a
-    GPU is missing); chat_template: Jinja text stored in place of the target tokenizer's.
+    GPU is missing); gpu, when given, also writes each role a graph with batched attention for
+    ONNX Runtime's CUDA provider (batched_attention.py); chat_template: Jinja text stored in
+    place of the target tokenizer's.
     """
     roles = [r for r in ROLES if r == "target" or draft is not None]
     precision = {role: (precision or {}).get(role, Precision()) for role in roles}
@@ -131,7 +136,7 @@ def build_bundle(
         max_context = min(map(_own_context, sources.values()))
     if max_context < window + 2:
         raise SpecrtError(f"--max-context {max_context} leaves no room for {window} drafts")
-    plan = _Plan(max_context, plan_profiles(max_context, window), tensorrt, log)
+    plan = _Plan(max_context, plan_profiles(max_context, window), tensorrt, gpu, log)
     tokenizers, digests = _tokenizers(sources)
     out = Path(out)
     entries: dict[str, dict] = {}
@@ -227,6 +232,11 @@ def _export_role(
         f"{_label(precision)})"
     )
     record = _write_role_graph(tensors, folder, capacity, precision, log)
+    if plan.gpu is not None:
+        log(
+            f"[{role}] writing the GPU graph ({plan.gpu.precision}, {plan.gpu.attention} attention)"
+        )
+        _write_float(tensors, folder / GPU_FOLDER, capacity, plan.gpu.precision, plan.gpu.attention)
     engine = None
     if plan.tensorrt is not None:
         log(f"[{role}] building the TensorRT engine ({plan.tensorrt.precision})")
@@ -256,21 +266,19 @@ def _export_role(
     }
     if engine is not None:
         info["tensorrt"] = engine
+    if plan.gpu is not None:
+        info["gpu"] = plan.gpu.as_dict()
     return info, eos_token_ids(source, config, tokenizer)
 
 
 def _write_role_graph(tensors, folder: Path, capacity: int, precision: Precision, log) -> dict:
     """Write a role's graph into folder at its precision (fp16: the float32 graph, converted);
     return what the manifest records of its weights' forms."""
-    folder.mkdir(parents=True)
     projections = projections_for(precision)
     if precision.weights == "fp16":
-        float32 = folder.with_name(f"{folder.name}.fp32")
-        float32.mkdir()
-        write_graph(tensors, float32, capacity)
-        convert_float16(float32 / "model.onnx", folder)
-        shutil.rmtree(float32)
+        _write_float(tensors, folder, capacity, "fp16")
     else:
+        folder.mkdir(parents=True)
         write_graph(tensors, folder, capacity, projections, precision.kv_cache)
     record = {"tensors": projections.forms} if precision.weights == "gguf" else {}
     if precision.quantized:
@@ -279,6 +287,22 @@ def _write_role_graph(tensors, folder: Path, capacity: int, precision: Precision
     for form, count in sorted(Counter(projections.forms.values()).items()):
         log(f"  {count} x {form}")
     return record
+
+
+def _write_float(
+    tensors, folder: Path, capacity: int, weights: str, attention: str = "in_place"
+) -> None:
+    """A float graph into folder: float32, or fp16 converted from the float32 one whole (its
+    cache fp16 too)."""
+    folder.mkdir(parents=True)
+    if weights == "fp32":
+        write_graph(tensors, folder, capacity, attention=attention)
+        return
+    float32 = folder.with_name(f"{folder.name}.fp32")
+    float32.mkdir()
+    write_graph(tensors, float32, capacity, attention=attention)
+    convert_float16(float32 / "model.onnx", folder)
+    shutil.rmtree(float32)
 
 
 def _label(precision: Precision) -> str:
@@ -314,6 +338,10 @@ def _check(role: str, tensors, ids, scratch: Path, precision: Precision, plan: _
             f"[{role}] max |logit difference| {check['max_abs_logit_diff']:.2e} "
             f"(tolerance {check['tolerance']:.2e})"
         )
+        if plan.gpu is not None:
+            check["gpu_graph_vs_float32"] = _check_gpu_graph(
+                subset, scratch, sub_shape, subset_ids, plan, check["tolerance"]
+            )
         if not precision.converted:
             return check
         (scratch / "converted").mkdir()
@@ -347,3 +375,24 @@ def _check(role: str, tensors, ids, scratch: Path, precision: Precision, plan: _
         return check
     finally:
         shutil.rmtree(scratch)
+
+
+def _check_gpu_graph(subset, scratch: Path, shape, ids, plan: _Plan, tolerance: float) -> dict:
+    """The GPU graph of the checked part against its float32 CPU graph, run on the CPU (both
+    attentions run there). An fp32 one must agree within the export check's tolerance, or the
+    bundle is not written; an fp16 one's distance is recorded (precision.py's measures)."""
+    capacity, gpu = plan.max_context + CACHE_MARGIN, plan.gpu
+    _write_float(subset, scratch / "gpu", capacity, gpu.precision, gpu.attention)
+    fp32, graph = scratch / "fp32" / "model.onnx", scratch / "gpu" / "model.onnx"
+    result = compare_converted(fp32, graph, shape, ids, capacity)
+    worst = result["max_abs_logit_diff_vs_float32"]
+    plan.log(
+        f"  GPU graph ({gpu.precision}, {gpu.attention}) vs float32: max |logit difference| "
+        f"{worst:.2e}, top-1 agreement {result['top1_agreement_vs_float32']:.1%}"
+    )
+    if gpu.precision == "fp32" and worst > tolerance:
+        raise SpecrtError(
+            f"the fp32 GPU graph differs from the CPU graph by {worst:.2e} in a logit (tolerance "
+            f"{tolerance:.2e}); the bundle was not written"
+        )
+    return result

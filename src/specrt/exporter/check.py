@@ -70,30 +70,34 @@ def _steps(
     import onnxruntime as ort
 
     session = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
-    cache = {
-        i.name: np.zeros((1, 0, shape.num_kv_heads, shape.head_dim), ORT_DTYPES[i.type])
-        for i in session.get_inputs()
-        if i.name.startswith("past_key_values.")
-    }
+    caches = [i for i in session.get_inputs() if i.name.startswith("past_key_values.")]
+    # The positions' axis: 1 by position, 2 by head (a batched graph, which attends over its
+    # caches whole and reads a mask as wide as they are).
+    axis = 2 if caches[0].shape[2] == "positions" else 1
+    empty = [1, shape.num_kv_heads, shape.head_dim]
+    empty.insert(axis, 0)
+    cache = {i.name: np.zeros(empty, ORT_DTYPES[i.type]) for i in caches}
     output_names = [o.name for o in session.get_outputs()]
     position = 0
     for name, count in steps:
         new = ids[:, position : position + count]
-        grown = {
-            k: np.pad(v, ((0, 0), (0, count + wider), (0, 0), (0, 0))) for k, v in cache.items()
-        }
+        pads = [(0, 0)] * 4
+        pads[axis] = (0, count + wider)
+        grown = {k: np.pad(v, pads) for k, v in cache.items()}
+        width = position + count + (wider if axis == 2 else 0)
         outputs = session.run(
             None,
             {
                 "input_ids": new,
-                "attention_mask": np.ones((1, position + count), np.int64),
+                "attention_mask": np.ones((1, width), np.int64),
                 "position_ids": np.arange(position, position + count)[None],
                 "logits_to_keep": np.array([count]),
                 **grown,
             },
         )
         for out_name, value in zip(output_names[1:], outputs[1:], strict=True):
-            cache[out_name.replace("present", "past_key_values")] = value[:, : position + count]
+            kept = np.take(value, np.arange(position + count), axis=axis)
+            cache[out_name.replace("present", "past_key_values")] = kept
         yield f"{name}_{count}", new, outputs[0].astype(np.float32)
         position += count
 

@@ -44,12 +44,21 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from specrt.exporter.attention import CallShapes, attend, call_shapes, softcap
+from specrt.exporter.batched_attention import (
+    CACHE_DIMS,
+    OPSET_OF_FORM,
+    BatchedCall,
+    attend_batched,
+    batched_call,
+    batched_mask,
+)
 from specrt.exporter.external_data import ExternalData
 from specrt.exporter.families import Family, family_of
 from specrt.exporter.projections import FloatProjections
 from specrt.exporter.tensors import Tensors
 
 OPSET = 18
+Call = CallShapes | BatchedCall  # what the layers read of a call, by attention
 IR_VERSION = 10  # what ONNX Runtime >= 1.18 and TensorRT 10 load
 # The types a cache may be kept in. float16 halves its memory and what attention reads; the
 # new keys and values are rounded as they are written, and every call (prefill, decode,
@@ -102,6 +111,7 @@ class _Builder:
         self.count = 0
         self.batch = ""  # the batch size as a 1-d tensor, set once the inputs are read
         self.cache = TensorProto.FLOAT  # the type keys and values are kept in
+        self.attention = "in_place"  # or a batched form (batched_attention.FORMS)
 
     def op(self, op_type: str, *inputs: str, out: str | None = None, domain=None, **attrs) -> str:
         self.count += 1
@@ -204,12 +214,19 @@ def rope_tables(
 
 
 def write_graph(
-    tensors: Tensors, out_dir: Path, capacity: int, projections=None, cache: str = "float32"
+    tensors: Tensors,
+    out_dir: Path,
+    capacity: int,
+    projections=None,
+    cache: str = "float32",
+    attention: str = "in_place",
 ) -> ModelShape:
     """Write model.onnx and model.onnx.data into out_dir from the weights, one tensor at a
     time; return the model's shape. capacity: the positions the rotary tables cover (the
     cache's, margin included). projections: how weight matrices are written (float32 when
-    None; see projections.py). cache: the type keys and values are kept in (CACHE_TYPES)."""
+    None; see projections.py). cache: the type keys and values are kept in (CACHE_TYPES).
+    attention: "in_place" (the CPU graph, attention.py) or a form of the batched attention
+    GPU providers get (batched_attention.FORMS), whose caches are laid out by head."""
     config = tensors.config
     shape = model_shape(config)
     projections = projections or FloatProjections()
@@ -217,8 +234,8 @@ def write_graph(
         family = family_of(config)
         family.check_capacity(capacity)
         b = _Builder(ExternalData(handle, "model.onnx.data"), tensors, projections, family)
-        b.cache = CACHE_TYPES[cache]
-        attention, masks = _call_shapes(b, shape, float(config.rms_norm_eps))
+        b.cache, b.attention = CACHE_TYPES[cache], attention
+        call, masks = _call_shapes(b, shape, float(config.rms_norm_eps))
         windows = family.windows()
         keys = [family.rope_key(i) for i in range(shape.num_layers)]
         rotaries = {k: _rotary(b, config, capacity, k, shape.head_dim) for k in dict.fromkeys(keys)}
@@ -226,27 +243,37 @@ def write_graph(
         if family.embed_scale() is not None:
             x = b.op("Mul", x, b.const(family.embed_scale(), np.float32))
         for i in range(shape.num_layers):
-            x = _decoder_layer(b, x, i, shape, attention, rotaries[keys[i]], masks[windows[i]])
-        _head(b, x, embed, attention.eps)
+            x = _decoder_layer(b, x, i, shape, call, rotaries[keys[i]], masks[windows[i]])
+        _head(b, x, embed, call.eps)
     _save(b, shape, out_dir / "model.onnx")
     return shape
 
 
-def _call_shapes(b: _Builder, shape: ModelShape, eps: float) -> tuple[CallShapes, dict]:
-    """What every layer's attention reads of the call (attention.call_shapes), and its additive
-    masks by sliding window."""
-    rep = shape.num_heads // shape.num_kv_heads
-    a = call_shapes(b, shape.num_kv_heads, shape.head_dim, eps, rep)
-    k_pos = b.op("Range", b.const(0), b.op("Squeeze", a.total, b.const([0])), b.const(1))
-    # Additive masks [B, 1, 1, S, T]: key t is seen by a token at position p when t <= p
-    # (its row's own prefix and its earlier new tokens) and the attention mask allows it;
-    # in a layer with a sliding window W, only when also t > p - W.
-    key_positions = b.op("Unsqueeze", k_pos, b.const([0, 1]))
+def _call_shapes(b: _Builder, shape: ModelShape, eps: float) -> tuple[Call, dict]:
+    """What every layer's attention reads of the call, and its masks by sliding window: key t
+    is seen by a token at position p when t <= p (its row's own prefix and its earlier new
+    tokens) and the attention mask allows it; in a layer with a sliding window W, only when
+    also t > p - W."""
+    heads, kv, hd = shape.num_heads, shape.num_kv_heads, shape.head_dim
+    if b.attention == "in_place":
+        a: Call = call_shapes(b, kv, hd, eps, heads // kv)
+        k_pos = b.op("Range", b.const(0), b.op("Squeeze", a.total, b.const([0])), b.const(1))
+        key_positions = b.op("Unsqueeze", k_pos, b.const([0, 1]))
+    else:
+        a = batched_call(b, b.attention, heads, kv, hd, eps)
+        key_positions = a.key_positions
     causal = b.op("LessOrEqual", key_positions, b.op("Unsqueeze", "position_ids", b.const([2])))
     keep = b.op("Cast", b.op("Unsqueeze", "attention_mask", b.const([1])), to=TensorProto.BOOL)
-    allowed = b.op("And", causal, keep)
-    windows = sorted(set(b.family.windows()), key=str)
-    return a, {w: _additive_mask(b, allowed, key_positions, w) for w in windows}
+    allowed = b.op("And", causal, keep)  # [B, S, T]
+    masks = {}
+    for window in sorted(set(b.family.windows()), key=str):
+        visible = _in_window(b, allowed, key_positions, window)
+        masks[window] = (
+            batched_mask(b, a, visible)
+            if isinstance(a, BatchedCall)
+            else (_additive_mask(b, visible))
+        )
+    return a, masks
 
 
 def _head(b: _Builder, x: str, embed, eps: float) -> None:
@@ -267,11 +294,11 @@ def _save(b: _Builder, shape: ModelShape, path: Path) -> None:
     graph = helper.make_graph(
         b.nodes,
         "specrt_decoder",
-        _inputs(shape, b.cache),
-        _outputs(shape, b.cache),
+        _inputs(shape, b.cache, b.attention),
+        _outputs(shape, b.cache, b.attention),
         initializer=b.initializers,
     )
-    opsets = [helper.make_opsetid("", OPSET)]
+    opsets = [helper.make_opsetid("", OPSET_OF_FORM.get(b.attention, OPSET))]
     if any(node.domain == "com.microsoft" for node in b.nodes):
         opsets.append(helper.make_opsetid("com.microsoft", 1))
     proto = helper.make_model(
@@ -288,21 +315,26 @@ def _head_norm(b: _Builder, x: str, module: str, name: str, eps: float) -> str:
     return _rms_norm(b, x, module, name, eps)
 
 
-def _additive_mask(b: _Builder, allowed: str, key_positions: str, window: int | None) -> str:
+def _in_window(b: _Builder, allowed: str, key_positions: str, window: int | None) -> str:
+    """The keys a token sees in a layer with this sliding window (None: every allowed one)."""
+    if window is None:
+        return allowed
+    oldest = b.op("Sub", b.op("Unsqueeze", "position_ids", b.const([2])), b.const(window))
+    return b.op("And", allowed, b.op("Greater", key_positions, oldest))
+
+
+def _additive_mask(b: _Builder, visible: str) -> str:
     """0 where a key is seen, the float minimum where not, [B, 1, 1, S, T]."""
-    if window is not None:
-        oldest = b.op("Sub", b.op("Unsqueeze", "position_ids", b.const([2])), b.const(window))
-        allowed = b.op("And", allowed, b.op("Greater", key_positions, oldest))
     return b.op(
         "Where",
-        b.op("Unsqueeze", allowed, b.const([1, 2])),
+        b.op("Unsqueeze", visible, b.const([1, 2])),
         b.const(0.0, np.float32),
         b.const(np.finfo(np.float32).min, np.float32),
     )
 
 
 def _decoder_layer(
-    b: _Builder, x: str, i: int, shape: ModelShape, a: CallShapes, rotary: Rotary, mask: str
+    b: _Builder, x: str, i: int, shape: ModelShape, a: Call, rotary: Rotary, mask: str
 ) -> str:
     """One block: x + attention(norm(x)), then x + mlp(norm(x)); a sandwich family (Gemma)
     also norms each block's output before adding it."""
@@ -321,7 +353,7 @@ def _decoder_layer(
 
 
 def _self_attention(
-    b: _Builder, h: str, i: int, shape: ModelShape, a: CallShapes, rotary: Rotary, mask: str
+    b: _Builder, h: str, i: int, shape: ModelShape, a: Call, rotary: Rotary, mask: str
 ) -> str:
     heads, kv, hd = shape.num_heads, shape.num_kv_heads, shape.head_dim
     source, prefix = f"model.layers.{i}.self_attn", f"layers.{i}.self_attn"
@@ -343,7 +375,11 @@ def _self_attention(
     # Grouped-query attention without repeating K/V: fold each group's query heads into rows.
     q = b.op("Mul", q, b.const(b.family.attention_scale(hd), np.float32))
     q = b.op("Reshape", q, b.const([0, kv, -1, hd]))
-    ctx = b.op("Reshape", attend(b, i, q, k, v, a, mask), b.const([0, heads, -1, hd]))
+    if isinstance(a, BatchedCall):
+        ctx = attend_batched(b, i, q, k, v, a, mask, b.family.attention_softcap())
+    else:
+        ctx = attend(b, i, q, k, v, a, mask)
+    ctx = b.op("Reshape", ctx, b.const([0, heads, -1, hd]))
     ctx = b.op("Reshape", b.op("Transpose", ctx, perm=[0, 2, 1, 3]), b.const([0, 0, heads * hd]))
     return b.linear(ctx, f"{source}.o_proj", f"{prefix}.o_proj")
 
@@ -367,8 +403,16 @@ def _rotary(b: _Builder, config, capacity: int, key: str | None, head_dim: int) 
     return Rotary(cos, sin, cos_table.shape[-1], head_dim)
 
 
-def _inputs(shape: ModelShape, cache_type: int) -> list:
-    cache = ["batch_size", "positions", shape.num_kv_heads, shape.head_dim]
+def _cache_dims(shape: ModelShape, attention: str) -> list:
+    """A cache buffer's dims: by position for the CPU graph, by head for a batched one."""
+    if attention == "in_place":
+        return ["batch_size", "positions", shape.num_kv_heads, shape.head_dim]
+    sizes = {"kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim}
+    return [sizes.get(dim, dim) for dim in CACHE_DIMS]
+
+
+def _inputs(shape: ModelShape, cache_type: int, attention: str) -> list:
+    cache = _cache_dims(shape, attention)
     inputs = [
         helper.make_tensor_value_info(
             "input_ids", TensorProto.INT64, ["batch_size", "sequence_length"]
@@ -389,8 +433,8 @@ def _inputs(shape: ModelShape, cache_type: int) -> list:
     return inputs
 
 
-def _outputs(shape: ModelShape, cache_type: int) -> list:
-    cache = ["batch_size", "positions", shape.num_kv_heads, shape.head_dim]
+def _outputs(shape: ModelShape, cache_type: int, attention: str) -> list:
+    cache = _cache_dims(shape, attention)
     outputs = [
         helper.make_tensor_value_info(
             "logits", TensorProto.FLOAT, ["batch_size", "kept", shape.vocab_size]

@@ -152,3 +152,24 @@ def test_a_gpu_graph_option_out_of_range_is_refused():
         GpuGraph("flash")
     with pytest.raises(SpecrtError, match="GPU precision"):
         GpuGraph(precision="bf16")
+
+
+def test_placement_counts_copies_and_control_flow_in_every_subgraph(graphs):
+    """The GPU tests' check, on what runs here: the CPU graph keeps an If and a Loop a layer,
+    the GPU graph none; and a Memcpy inside a Loop body is found (ONNX Runtime adds those only
+    on a GPU, so the counter is checked on a graph made by hand)."""
+    from onnx import TensorProto, helper
+
+    from specrt.engines.ort_providers import count_nodes, placement
+
+    assert placement(graphs["in_place"], ON_CPU) == {"memcpy": 0, "control_flow": 8}
+    assert placement(graphs["matmul"], ON_CPU) == {"memcpy": 0, "control_flow": 0}
+    body = helper.make_graph(
+        [helper.make_node("MemcpyToHost", ["x"], ["y"])],
+        "body",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+    )
+    loop = helper.make_node("Loop", ["n", ""], ["z"], body=body)
+    outer = helper.make_graph([loop, helper.make_node("MemcpyFromHost", ["z"], ["w"])], "g", [], [])
+    assert count_nodes(outer) == {"memcpy": 2, "control_flow": 1}

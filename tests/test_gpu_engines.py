@@ -49,6 +49,61 @@ def test_onnxruntime_cuda(bundles, arch):
 
 
 @pytest.fixture(scope="module")
+def gpu_graph_bundles(pairs, tmp_path_factory) -> dict:
+    """The llama pair with GPU graphs (batched attention) of each form, fp16 and fp32."""
+    from specrt.exporter.batched_attention import FORMS, GpuGraph
+    from specrt.exporter.build import build_bundle
+
+    root, (draft, target) = tmp_path_factory.mktemp("gpu-graphs"), pairs["llama"]
+    return {
+        (form, precision): build_bundle(
+            str(draft),
+            str(target),
+            root / f"{form}-{precision}",
+            max_context=256,
+            gpu=GpuGraph(form, precision),
+            log=print,
+        )
+        for form in FORMS
+        for precision in ("fp16", "fp32")
+    }
+
+
+@needs("onnxruntime-cuda")
+@pytest.mark.parametrize("form", ["matmul", "onnx"])
+def test_the_gpu_graph_has_no_copies_on_cuda(gpu_graph_bundles, form):
+    """No Memcpy node and no control flow in the CUDA partition (what CUDA graphs need); the
+    control is the CPU graph on the same provider, whose If/Loop put copies in every layer."""
+    from specrt.engines.ort_providers import CUDA, placement
+
+    bundle = Bundle.load(gpu_graph_bundles[(form, "fp16")])
+    on_cuda = [CUDA, "CPUExecutionProvider"]
+    for role in ("draft", "target"):
+        graph = bundle.role(role).graph_for("onnxruntime-cuda")
+        assert placement(graph, on_cuda) == {"memcpy": 0, "control_flow": 0}
+    assert placement(bundle.role("target").graph, on_cuda)["memcpy"] > 0
+
+
+@needs("onnxruntime-cuda")
+@pytest.mark.parametrize("form", ["matmul", "onnx"])
+@pytest.mark.parametrize("precision", ["fp16", "fp32"])
+def test_speculation_on_the_gpu_graph_is_its_target_alone(gpu_graph_bundles, form, precision):
+    """Greedy speculation on the GPU graph equals that target alone, one request and three
+    in one batch; an fp32 GPU graph also scores as the CPU graph."""
+    from batch_runs import alone_and_together
+
+    path = gpu_graph_bundles[(form, precision)]
+    rt = SpeculativeRuntime.load(path, backend="onnxruntime-cuda", slots=3)
+    _greedy_equals_target_alone(rt)
+    options = dict(max_new_tokens=32, temperature=0.0, ignore_eos=True, controller="fixed:4")
+    requests = [(p, options) for p in [*PROMPTS, "import numpy as np"]]
+    alone, together, _ = alone_and_together(rt, requests, slots=3)
+    assert together == alone
+    if precision == "fp32":
+        _close_to_cpu(Bundle.load(path), "onnxruntime-cuda")
+
+
+@pytest.fixture(scope="module")
 def trt_bundles(pairs, tmp_path_factory) -> dict:
     from specrt.exporter.build import build_bundle
     from specrt.exporter.tensorrt import TrtOptions

@@ -155,3 +155,43 @@ def starts(provider: str) -> str | None:
 def gpu_libraries() -> None:
     """CUDA and cuDNN from pip's nvidia wheels, loaded before the first GPU session."""
     ort.preload_dlls()
+
+
+COPIES = ("MemcpyFromHost", "MemcpyToHost")
+CONTROL_FLOW = ("If", "Loop", "Scan")
+
+
+def placement(graph, providers: list) -> dict[str, int]:
+    """What ONNX Runtime made of a graph on these providers: the Memcpy nodes it added (each a
+    copy between host and device, and a wait) and the control-flow nodes left (either rules
+    out CUDA graphs), counted in the optimized graph a session writes, subgraphs included."""
+    import tempfile
+    from pathlib import Path
+
+    import onnx
+
+    with tempfile.TemporaryDirectory() as tmp:
+        written = Path(tmp) / "optimized.onnx"
+        options = ort.SessionOptions()
+        options.optimized_model_filepath = str(written)
+        options.log_severity_level = 3  # not the warning that the file suits this machine only
+        # A model of gigabytes cannot be one protobuf: its weights go to a side file.
+        options.add_session_config_entry(
+            "session.optimized_model_external_initializers_file_name", "optimized.onnx.data"
+        )
+        ort.InferenceSession(str(graph), options, providers=providers)
+        return count_nodes(onnx.load(str(written), load_external_data=False).graph)
+
+
+def count_nodes(graph) -> dict[str, int]:
+    """Memcpy and control-flow nodes in an ONNX graph and every subgraph of its nodes."""
+    counts = {"memcpy": 0, "control_flow": 0}
+    for node in graph.node:
+        counts["memcpy"] += node.op_type in COPIES
+        counts["control_flow"] += node.op_type in CONTROL_FLOW
+        for attribute in node.attribute:
+            subgraphs = [attribute.g] if attribute.HasField("g") else []
+            for sub in subgraphs + list(attribute.graphs):
+                for key, value in count_nodes(sub).items():
+                    counts[key] += value
+    return counts

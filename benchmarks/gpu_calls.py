@@ -16,8 +16,11 @@ and a decode of 8 rows at once (the ONNX Runtime engine's batch; the PyTorch one
 Backends: `onnxruntime-cuda` (specrt's GPU engine: the CUDA provider, TF32 off), `torch` (eager
 transformers with its dynamic cache, what `--backend torch-cuda` runs) and `torch-compile`
 (transformers with a static cache, each call shape compiled with `torch.compile`: the strongest
-PyTorch baseline a user would pick). `--device cpu` with `onnxruntime` runs the same path on
-the CPU (what CI tests).
+PyTorch baseline a user would pick). An ONNX Runtime backend runs once per `--attentions`:
+`in_place` is the CPU graph (a lone row read in place, a Loop over a batch's rows), `matmul` and
+`onnx` the GPU graph's batched attention (exporter/batched_attention.py), so one run says which
+the GPU build should default to. `--device cpu` with `onnxruntime` runs the same path on the CPU
+(what CI tests).
 
 Speculation is priced, not run: `tools/replay.py` replays the real controllers on the acceptance
 the default pair recorded on the CPU (Qwen2.5-Coder 0.5B int4 drafting for the 1.5B GGUF
@@ -86,27 +89,28 @@ def checkpoint(name: str, cache: Path, log) -> Path:
     return folder
 
 
-def graph(name: str, folder: Path, precision: str, capacity: int, cache: Path, log) -> Path:
-    """The exporter's graph of the shape (fp32; fp16 converted from it), made once."""
+def graph(name: str, folder: Path, precision: str, attention: str, options: dict, log) -> Path:
+    """The exporter's graph of the shape with this attention (the CPU graph's `in_place`, or
+    a form of the GPU graph's batched one), fp32 or fp16 converted from it, made once."""
     from specrt.exporter.graph import write_graph
     from specrt.exporter.precision import convert_float16
     from specrt.exporter.tensors import open_weights
     from specrt.sources import Source
 
-    out = cache / name / f"onnx-{precision}-{capacity}"
+    capacity = options["capacity"]
+    out = options["cache"] / name / f"onnx-{attention}-{precision}-{capacity}"
     if (out / "model.onnx").is_file():
         return out / "model.onnx"
+    partial = out.with_name(out.name + ".partial")
+    partial.mkdir(parents=True, exist_ok=True)
     if precision == "fp16":
-        source = graph(name, folder, "fp32", capacity, cache, log)
+        source = graph(name, folder, "fp32", attention, options, log)
         log(f"{name}: converting to fp16")
-        partial = out.with_name(out.name + ".partial")
-        partial.mkdir(parents=True, exist_ok=True)
         convert_float16(source, partial)
     else:
-        log(f"{name}: exporting the fp32 graph")
-        partial = out.with_name(out.name + ".partial")
-        partial.mkdir(parents=True, exist_ok=True)
-        write_graph(open_weights(Source.parse(str(folder))), partial, capacity + CACHE_MARGIN)
+        log(f"{name}: exporting the fp32 graph ({attention} attention)")
+        tensors = open_weights(Source.parse(str(folder)))
+        write_graph(tensors, partial, capacity + CACHE_MARGIN, attention=attention)
     partial.rename(out)
     return out / "model.onnx"
 
@@ -221,17 +225,18 @@ class CompiledStatic:
         return out.logits[0, -(last or len(tokens)) :].float().cpu().numpy()
 
 
-def measure(options: dict, cache: Path, log) -> list[dict]:
-    """Every (backend, shape, precision) row; a row that cannot run says why."""
+def measure(options: dict, log) -> list[dict]:
+    """Every (backend, attention, shape, precision) row; a row that cannot run says why."""
     rows = []
     for name in options["shapes"]:
-        folder = checkpoint(name, cache, log)
+        folder = checkpoint(name, options["cache"], log)
         for precision in options["precisions"]:
-            for backend in options["backends"]:
+            for backend, attention in _variants(options):
                 row = {"backend": backend, "shape": name, "precision": precision}
-                log(f"{name} {precision} {backend}")
+                row |= {"attention": attention} if attention else {}
+                log(f"{name} {precision} {label(row)}")
                 try:
-                    engine = _engine(backend, name, folder, precision, options, cache, log)
+                    engine = _engine(backend, attention, name, folder, precision, options, log)
                     calls = (options["prompt"], options["widths"], 8, options["repeat"])
                     row |= time_engine(engine, *calls)
                     row["status"] = "ok"
@@ -242,10 +247,26 @@ def measure(options: dict, cache: Path, log) -> list[dict]:
     return rows
 
 
-def _engine(backend, name, folder, precision, options, cache, log):
+def _variants(options: dict) -> list[tuple[str, str | None]]:
+    """(backend, attention): an ONNX Runtime backend once per attention asked for."""
+    return [
+        (backend, attention)
+        for backend in options["backends"]
+        for attention in (options["attentions"] if backend.startswith("onnxruntime") else [None])
+    ]
+
+
+def label(row: dict) -> str:
+    """A row's backend as the tables name it: `onnxruntime-cuda` for the CPU graph's
+    attention, `onnxruntime-cuda (matmul)` for a form of the GPU graph's."""
+    attention = row.get("attention")
+    return row["backend"] if attention in (None, "in_place") else f"{row['backend']} ({attention})"
+
+
+def _engine(backend, attention, name, folder, precision, options, log):
     capacity, device = options["capacity"], options["device"]
     if backend.startswith("onnxruntime"):
-        path = graph(name, folder, precision, capacity, cache, log)
+        path = graph(name, folder, precision, attention, options, log)
         return ort_engine(path, name, backend, capacity, 8)
     from specrt.engines.torch import TorchEngine
 
@@ -256,9 +277,9 @@ def _engine(backend, name, folder, precision, options, cache, log):
 
 
 def _row(rows: list[dict], backend: str, shape: str, precision: str) -> dict | None:
-    """The measured row of this backend, shape and precision, if it ran."""
+    """The measured row of this backend (as `label` names it), shape and precision, if it ran."""
     wanted = (backend, shape, precision, "ok")
-    found = [r for r in rows if (r["backend"], r["shape"], r["precision"], r["status"]) == wanted]
+    found = [r for r in rows if (label(r), r["shape"], r["precision"], r["status"]) == wanted]
     return found[0] if found else None
 
 
@@ -313,7 +334,7 @@ def markdown(result: dict) -> str:
         "|---" * (4 + len(widths) + 1) + "|",
     ]
     for row in result["rows"]:
-        head = f"| {row['shape']} | {row['backend']} | {row['precision']} | "
+        head = f"| {row['shape']} | {label(row)} | {row['precision']} | "
         if row["status"] != "ok":
             lines.append(f"{head}{row['status']}: {row['detail'][:80]} |")
             continue
@@ -349,6 +370,12 @@ def _csv(text: str) -> list[str]:
 @click.option("--with-7b", is_flag=True, help="Add qwen2.5-7b (its export takes minutes).")
 @click.option("--backends", default="onnxruntime-cuda,torch,torch-compile", show_default=True)
 @click.option("--precisions", default="fp32,fp16", show_default=True)
+@click.option(
+    "--attentions",
+    default="in_place,matmul,onnx",
+    show_default=True,
+    help="ONNX Runtime's graphs: the CPU graph's attention, the GPU graph's forms.",
+)
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True)
 @click.option("--prompt", default=256, show_default=True, help="Tokens before each call.")
 @click.option("--widths", default="1,5,17", show_default=True, help="Verify widths (1: decode).")
@@ -365,15 +392,18 @@ def main(**options) -> None:
         "shapes": shapes,
         "backends": _csv(options["backends"]),
         "precisions": _csv(options["precisions"]),
+        "attentions": _csv(options["attentions"]),
         "widths": [int(w) for w in _csv(options["widths"])],
         **{k: options[k] for k in ("device", "prompt", "repeat", "capacity", "compile_backend")},
     }
+    settings["cache"] = options["cache"]
     pair = tuple(_csv(options["pair"]))
     started = time.perf_counter()
-    rows = measure(settings, options["cache"], lambda line: click.echo(line, err=True))
+    rows = measure(settings, lambda line: click.echo(line, err=True))
+    del settings["cache"]  # a machine's folder: not in the result
     priced = [
         p
-        for backend in settings["backends"]
+        for backend in dict.fromkeys(label(row) for row in rows)
         for precision in settings["precisions"]
         if (p := price(rows, backend, precision, pair, options["traces"])) is not None
     ]

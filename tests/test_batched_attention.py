@@ -121,6 +121,10 @@ def test_a_gpu_build_records_each_roles_graph_and_checks_it(gpu_bundle):
         checked = info["export_check"]["gpu_graph_vs_float32"]
         assert checked["top1_agreement_vs_float32"] > 0.9
         assert "gpu/model.onnx" in info["files"]  # hashed like the rest
+    from specrt.tools.inspection import bundle_lines
+
+    shown = [line for line in bundle_lines(gpu_bundle) if line.startswith("gpu graph")]
+    assert len(shown) == 2 and "fp32, matmul attention, for onnxruntime-cuda" in shown[1]
     with open(gpu_bundle.path / "manifest.json") as handle:
         assert json.load(handle)["roles"]["target"]["gpu"]["precision"] == "fp32"
 

@@ -42,6 +42,19 @@ def test_build_and_inspect(pairs, tmp_path):
     assert manifest["max_draft"] == 4
 
 
+def test_a_gpu_build_from_the_command_line(pairs, tmp_path):
+    """--backend onnxruntime-cuda builds and checks the GPU graphs on a machine without a GPU."""
+    draft, target = pairs["qwen2"]
+    out = tmp_path / "bundle"
+    options = ["--max-context", "64", "--backend", "onnxruntime-cuda", "--gpu-attention", "onnx"]
+    built = specrt(
+        "build", "--draft", str(draft), "--target", str(target), "--out", str(out), *options
+    )
+    assert "[target] writing the GPU graph (fp16, onnx attention)" in built.stderr
+    shown = specrt("inspect", str(out)).stdout
+    assert "gpu graph    target gpu/model.onnx: fp16, onnx attention" in shown
+
+
 def test_inspect_fails_on_a_corrupted_file(bundle_copy):
     (bundle_copy / "draft" / "tokenizer.json").write_text("{}")
     done = specrt("inspect", str(bundle_copy), check=False)

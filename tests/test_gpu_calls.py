@@ -29,18 +29,19 @@ def test_the_gpu_call_table_runs_its_whole_path_on_the_cpu(tmp_path):
     arguments += ["--backends", "onnxruntime,torch,torch-compile", "--precisions", "fp32"]
     arguments += ["--prompt", "16", "--widths", "1,3", "--repeat", "2", "--capacity", "128"]
     arguments += ["--compile-backend", "eager", "--cache", str(tmp_path / "cache")]
+    arguments += ["--attentions", "in_place,matmul"]
     result = CliRunner().invoke(gpu_calls.main, [*arguments, "--out", str(out)])
     assert result.exit_code == 0, result.output
     recorded = json.loads(out.with_suffix(".json").read_text())
     assert recorded["gpu"] == "none (CPU run)" and recorded["machine"]["cpu"]
-    rows = {row["backend"]: row for row in recorded["rows"]}
-    assert set(rows) == {"onnxruntime", "torch", "torch-compile"}
+    rows = {gpu_calls.label(row): row for row in recorded["rows"]}
+    assert set(rows) == {"onnxruntime", "onnxruntime (matmul)", "torch", "torch-compile"}
     for backend, row in rows.items():
         assert row["status"] == "ok", row
         assert (row["shape"], row["precision"]) == ("tiny", "fp32")
         assert row["prefill_ms"] > 0 and row["decode_ms"] == row["verify_ms"]["1"] > 0
         assert row["verify_ms"]["3"] > 0
-        if backend == "onnxruntime":  # the engine's batch; the PyTorch ones hold one row
+        if backend.startswith("onnxruntime"):  # the engine's batch; PyTorch's hold one row
             assert row["batch8_decode_ms"] > 0
     priced = {p["backend"]: p for p in recorded["priced"]}
     assert set(priced) == set(rows)
@@ -49,4 +50,5 @@ def test_the_gpu_call_table_runs_its_whole_path_on_the_cpu(tmp_path):
         assert set(rates) == {f"fixed:{k}" for k in range(9)} | {"adaptive"}
         assert all(rate > 0 for rate in rates.values()) and entry["adaptive_vs_torch_compile"]
     table = out.with_suffix(".md").read_text()
+    assert "| tiny | onnxruntime (matmul) | fp32 |" in table
     assert "| tiny | onnxruntime | fp32 |" in table and "torch.compile's target alone" in table

@@ -29,7 +29,8 @@ its real ones (at the next positions, which no real token sees and its next call
 Bind each present output to its past input's buffer and ONNX Runtime updates it in place (no
 copy of the cache per step); rolling a row back is only smaller positions on its next call.
 `logits_to_keep` lets a prefill skip the vocabulary projection for every prompt position but
-the last.
+the last. GPU providers get a second graph, `attention` in batched_attention.FORMS: the same
+model with every row of a batch in one attention and the caches laid out by head.
 """
 
 from __future__ import annotations

@@ -44,8 +44,22 @@ def bundle_lines(bundle: Bundle) -> list[str]:
         files += len(info["files"])
     for name in bundle.roles:
         lines += _checked_part(name, m["roles"][name])
+        lines += _gpu_graph(name, m["roles"][name])
     lines.append(f"files        {files} verified against their sha256")
     return lines
+
+
+def _gpu_graph(name: str, info: dict) -> list[str]:
+    """The role's GPU graph, where the bundle has one, and how far it is from the CPU's."""
+    gpu = info.get("gpu")
+    if gpu is None:
+        return []
+    checked = info["export_check"].get("gpu_graph_vs_float32", {})
+    return [
+        f"gpu graph    {name} {gpu['graph']}: {gpu['precision']}, {gpu['attention']} attention, "
+        f"for {', '.join(gpu['backends'])}; max |dlogit| vs float32 "
+        f"{checked.get('max_abs_logit_diff_vs_float32', float('nan')):.2e}"
+    ]
 
 
 def _checked_part(name: str, info: dict) -> list[str]:

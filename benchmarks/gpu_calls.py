@@ -18,9 +18,10 @@ transformers with its dynamic cache, what `--backend torch-cuda` runs) and `torc
 (transformers with a static cache, each call shape compiled with `torch.compile`: the strongest
 PyTorch baseline a user would pick). An ONNX Runtime backend runs once per `--attentions`:
 `in_place` is the CPU graph (a lone row read in place, a Loop over a batch's rows), `matmul` and
-`onnx` the GPU graph's batched attention (exporter/batched_attention.py), so one run says which
-the GPU build should default to. `--device cpu` with `onnxruntime` runs the same path on the CPU
-(what CI tests).
+`onnx` the GPU graph's batched attention (exporter/batched_attention.py), each also with its
+decode and verify calls replayed from CUDA graphs (`matmul+graphs`, engines/cuda_graphs.py), so
+one run says which the GPU build should default to and what the graphs save. `--device cpu`
+with `onnxruntime` runs the same path on the CPU (what CI tests).
 
 Speculation is priced, not run: `tools/replay.py` replays the real controllers on the acceptance
 the default pair recorded on the CPU (Qwen2.5-Coder 0.5B int4 drafting for the 1.5B GGUF
@@ -162,7 +163,9 @@ def time_engine(engine, prompt: int, widths: list[int], rows: int, repeat: int) 
     return timings
 
 
-def ort_engine(path: Path, name: str, backend: str, capacity: int, rows: int):
+def ort_engine(path: Path, name: str, backend: str, capacity: int, rows: int, graphs: int = 0):
+    """The ONNX Runtime engine on this graph; graphs: the widest call replayed from a CUDA
+    graph (0: none)."""
     from specrt.engines.onnxruntime import OrtEngine
     from specrt.engines.ort_providers import plain_providers
 
@@ -177,7 +180,8 @@ def ort_engine(path: Path, name: str, backend: str, capacity: int, rows: int):
         capacity=capacity,
         margin=CACHE_MARGIN,
         slots=rows,
-        providers=plain_providers(backend),
+        providers=plain_providers(backend, bool(graphs)),
+        cuda_graphs=graphs,
     )
 
 
@@ -266,8 +270,10 @@ def label(row: dict) -> str:
 def _engine(backend, attention, name, folder, precision, options, log):
     capacity, device = options["capacity"], options["device"]
     if backend.startswith("onnxruntime"):
-        path = graph(name, folder, precision, attention, options, log)
-        return ort_engine(path, name, backend, capacity, 8)
+        form, _, graphs = attention.partition("+")  # matmul+graphs: replayed CUDA graphs
+        path = graph(name, folder, precision, form, options, log)
+        widest = max(options["widths"]) if graphs else 0
+        return ort_engine(path, name, backend, capacity, 8, widest)
     from specrt.engines.torch import TorchEngine
 
     model = torch_model(folder, precision, device)
@@ -372,9 +378,10 @@ def _csv(text: str) -> list[str]:
 @click.option("--precisions", default="fp32,fp16", show_default=True)
 @click.option(
     "--attentions",
-    default="in_place,matmul,onnx",
+    default="in_place,matmul,matmul+graphs,onnx,onnx+graphs",
     show_default=True,
-    help="ONNX Runtime's graphs: the CPU graph's attention, the GPU graph's forms.",
+    help="ONNX Runtime's graphs: the CPU graph's attention, the GPU graph's forms (+graphs: "
+    "decode and verify replayed from CUDA graphs).",
 )
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True)
 @click.option("--prompt", default=256, show_default=True, help="Tokens before each call.")

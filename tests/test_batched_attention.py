@@ -177,3 +177,36 @@ def test_placement_counts_copies_and_control_flow_in_every_subgraph(graphs):
     loop = helper.make_node("Loop", ["n", ""], ["z"], body=body)
     outer = helper.make_graph([loop, helper.make_node("MemcpyFromHost", ["z"], ["w"])], "g", [], [])
     assert count_nodes(outer) == {"memcpy": 2, "control_flow": 1}
+
+
+def test_captured_call_shapes_score_as_the_eager_calls(graphs):
+    """CUDA graphs' bookkeeping, on the CPU's provider (where nothing is captured, but every
+    call of a captured shape runs through its own fixed buffers, bound once): the same logits
+    as the plain path; prompts past the widest shape and shapes past the limit run plainly."""
+    import specrt.engines.cuda_graphs as cuda_graphs
+
+    want = _calls(_engine(graphs["matmul"]))
+    shape = dict(num_layers=4, num_kv_heads=2, head_dim=16, vocab_size=384)
+    engine = OrtEngine(
+        graphs["matmul"], **shape, capacity=CAPACITY, margin=MARGIN, slots=3, cuda_graphs=6
+    )
+    got = _calls(engine) + _calls(engine)  # the second time through, every shape is bound
+    assert all(np.array_equal(a, b) for a, b in zip(want + want, got, strict=True))
+    assert set(engine._graphs.shapes) == {(0, 1, 1, 1), (0, 2, 5, 5), (0, 3, 3, 3)}  # not 10 wide
+    few = OrtEngine(graphs["matmul"], **shape, capacity=CAPACITY, margin=MARGIN, slots=3)
+    few._graphs = cuda_graphs.CudaGraphs(few.session, "cpu", 6, limit=2)
+    assert all(np.array_equal(a, b) for a, b in zip(want, _calls(few), strict=True))
+    assert len(few._graphs.shapes) == 2
+    with pytest.raises(SpecrtError, match="CUDA graphs need a graph without control flow"):
+        OrtEngine(graphs["in_place"], **shape, capacity=CAPACITY, margin=MARGIN, cuda_graphs=6)
+
+
+def test_cuda_graphs_go_with_the_gpu_graph_on_onnxruntime_cuda(gpu_bundle, bundles, monkeypatch):
+    from specrt.engines.cuda_graphs import widest_for
+
+    window = max(gpu_bundle.max_draft, gpu_bundle.max_lookup)
+    assert widest_for(gpu_bundle.role("target"), "onnxruntime-cuda", window) == window + 1
+    assert widest_for(gpu_bundle.role("target"), "onnxruntime", window) == 0
+    assert widest_for(Bundle.load(bundles["llama"]).role("target"), "onnxruntime-cuda", 8) == 0
+    monkeypatch.setenv("SPECRT_CUDA_GRAPHS", "0")
+    assert widest_for(gpu_bundle.role("target"), "onnxruntime-cuda", window) == 0

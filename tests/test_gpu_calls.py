@@ -29,13 +29,13 @@ def test_the_gpu_call_table_runs_its_whole_path_on_the_cpu(tmp_path):
     arguments += ["--backends", "onnxruntime,torch,torch-compile", "--precisions", "fp32"]
     arguments += ["--prompt", "16", "--widths", "1,3", "--repeat", "2", "--capacity", "128"]
     arguments += ["--compile-backend", "eager", "--cache", str(tmp_path / "cache")]
-    arguments += ["--attentions", "in_place,matmul"]
+    arguments += ["--attentions", "in_place,matmul+graphs"]
     result = CliRunner().invoke(gpu_calls.main, [*arguments, "--out", str(out)])
     assert result.exit_code == 0, result.output
     recorded = json.loads(out.with_suffix(".json").read_text())
     assert recorded["gpu"] == "none (CPU run)" and recorded["machine"]["cpu"]
     rows = {gpu_calls.label(row): row for row in recorded["rows"]}
-    assert set(rows) == {"onnxruntime", "onnxruntime (matmul)", "torch", "torch-compile"}
+    assert set(rows) == {"onnxruntime", "onnxruntime (matmul+graphs)", "torch", "torch-compile"}
     for backend, row in rows.items():
         assert row["status"] == "ok", row
         assert (row["shape"], row["precision"]) == ("tiny", "fp32")
@@ -50,5 +50,5 @@ def test_the_gpu_call_table_runs_its_whole_path_on_the_cpu(tmp_path):
         assert set(rates) == {f"fixed:{k}" for k in range(9)} | {"adaptive"}
         assert all(rate > 0 for rate in rates.values()) and entry["adaptive_vs_torch_compile"]
     table = out.with_suffix(".md").read_text()
-    assert "| tiny | onnxruntime (matmul) | fp32 |" in table
+    assert "| tiny | onnxruntime (matmul+graphs) | fp32 |" in table
     assert "| tiny | onnxruntime | fp32 |" in table and "torch.compile's target alone" in table

@@ -168,6 +168,8 @@ def test_the_cuda_provider_runs_float32_without_tf32(bundles, monkeypatch):
     )
     providers = providers_for(Bundle.load(bundles["llama"]), "target", "onnxruntime-cuda")
     assert providers == [("CUDAExecutionProvider", {"use_tf32": "0"}), "CPUExecutionProvider"]
+    graphs = providers_for(Bundle.load(bundles["llama"]), "target", "onnxruntime-cuda", 1, True)
+    assert graphs[0] == ("CUDAExecutionProvider", {"use_tf32": "0", "enable_cuda_graph": "1"})
 
 
 def test_a_provider_starts_or_says_why_not():

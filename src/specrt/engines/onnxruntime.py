@@ -13,6 +13,7 @@ transformers.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import warnings
@@ -24,6 +25,7 @@ import onnxruntime as ort
 
 from specrt.bundle import Bundle
 from specrt.engines.base import BufferCache, RowCall, check_rollback, check_room, check_slot
+from specrt.engines.cuda_graphs import CudaGraphs, widest_for
 from specrt.engines.ort_providers import (
     DEVICE_OF_PROVIDER,
     check_providers,
@@ -62,10 +64,13 @@ class OrtEngine(BufferCache):
         providers: Sequence[str | tuple[str, dict]] | None = None,
         threads: int | None = None,
         even_rows: bool = False,
+        cuda_graphs: int = 0,
     ):
         """margin: cache positions past capacity that the graph covers, for padding (a graph
         without one holds one slot); even_rows: run every call on an even number of rows (see
-        `_call`; `probe_rows` decides it)."""
+        `_call`; `probe_rows` decides it); cuda_graphs: the widest call replayed from a CUDA
+        graph (cuda_graphs.py; a graph by head only, its CUDA provider started with
+        `enable_cuda_graph`), 0 for none."""
         if slots > 1 and not margin:
             raise SpecrtError(
                 f"{graph}: no cache margin for the padding of a batched call (the bundle's "
@@ -96,6 +101,12 @@ class OrtEngine(BufferCache):
         self._row_shape = [self._positions_held, num_kv_heads, head_dim]
         if self.by_head:
             self._row_shape[:2] = [num_kv_heads, self._positions_held]
+        if cuda_graphs and not self.by_head:
+            raise SpecrtError(
+                f"{graph}: CUDA graphs need a graph without control flow (the GPU graph of "
+                "`specrt build --backend onnxruntime-cuda`)"
+            )
+        self._graphs = CudaGraphs(self.session, self.device, cuda_graphs) if cuda_graphs else None
         self._pages: list[mmap.mmap] = []  # the CPU caches' mappings (see `release`)
         self._caches = [
             self._zeros([slots, *self._row_shape], f"past_key_values.{i}.{kind}")
@@ -172,8 +183,10 @@ class OrtEngine(BufferCache):
     ) -> OrtEngine:
         r = bundle.role(role)
         slots = options.get("slots", 1)
+        graphs = widest_for(r, backend, max(bundle.max_draft, bundle.max_lookup))
         if "providers" not in options:  # a test may run a GPU graph on the CPU's provider
-            options["providers"] = providers_for(bundle, role, backend, slots)
+            options["providers"] = providers_for(bundle, role, backend, slots, bool(graphs))
+        options.setdefault("cuda_graphs", graphs)
         # Only the target's numbers decide the output; a draft may differ between call shapes.
         # The target's padding is probed unless the caller decides it (even_rows=True/False).
         probe = role == "target" and options.get("even_rows") is None
@@ -315,13 +328,12 @@ class OrtEngine(BufferCache):
         if self._in_place and n == 1:  # a lone row at exactly its length: read in place
             shape[1] = total
         width = shape[2] if self.by_head else shape[1]  # the positions bound
+        call = (first, n, ids.shape[1], kept)
+        if self._graphs is not None and self._graphs.captures(call):
+            bind_whole = functools.partial(self._bind_whole, first)
+            return self._graphs.run(call, ids, positions, bind_whole)
         if (first, n, width) != self._bound:  # n cache rows from slot `first`, in place
-            offset = first * self._row_bytes
-            for name, buffer, _ in self._caches:
-                for bind_at, bound in ((bind.bind_input, name), (bind.bind_output, _present(name))):
-                    bind_at(
-                        bound, self.device, 0, self._cache_type, shape, buffer.data_ptr() + offset
-                    )
+            self._bind_caches(bind, first, shape)
             self._bound = (first, n, width)
         bind.bind_cpu_input("input_ids", ids)
         # A graph by head reads a mask as wide as its caches are bound.
@@ -333,8 +345,25 @@ class OrtEngine(BufferCache):
             self._logits = np.empty(size, self._logits_type)
         out = self._logits[:size].reshape(n, kept, self.vocab_size)
         bind.bind_output("logits", "cpu", 0, self._logits_type, list(out.shape), out.ctypes.data)
-        self.session.run_with_iobinding(bind)
+        self.session.run_with_iobinding(bind, self._graphs and self._graphs.eager)
         return out
+
+    def _bind_caches(self, binding: ort.IOBinding, first: int, shape: list[int]) -> None:
+        """Each layer's cache rows from slot `first` as its past input and present output."""
+        offset = first * self._row_bytes
+        for name, buffer, _ in self._caches:
+            for bind_at, bound in (
+                (binding.bind_input, name),
+                (binding.bind_output, _present(name)),
+            ):
+                bind_at(bound, self.device, 0, self._cache_type, shape, buffer.data_ptr() + offset)
+
+    def _bind_whole(self, first: int, binding: ort.IOBinding, rows: int) -> list:
+        """A captured call shape's caches, bound whole, and its mask, on the device."""
+        self._bind_caches(binding, first, [rows, *self._row_shape])
+        mask = ort.OrtValue.ortvalue_from_numpy(self._mask[:rows], self.device, 0)
+        binding.bind_ortvalue_input("attention_mask", mask)
+        return [mask]
 
 
 def _session(graph: Path, providers: list, threads: int | None) -> ort.InferenceSession:

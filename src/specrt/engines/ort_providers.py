@@ -59,11 +59,13 @@ def trt_profile_options(bundle: Bundle, role: str, slots: int = 1) -> dict[str, 
     return {f"trt_profile_{key}_shapes": ",".join(entries) for key, entries in lists.items()}
 
 
-def providers_for(bundle: Bundle, role: str, backend: str, slots: int = 1) -> list:
+def providers_for(
+    bundle: Bundle, role: str, backend: str, slots: int = 1, cuda_graphs: bool = False
+) -> list:
     """Execution providers for a backend name and a bundle's role (the TensorRT provider's
     options come from the bundle); see `plain_providers` for the others."""
     if backend != "onnxruntime-tensorrt":
-        return plain_providers(backend)
+        return plain_providers(backend, cuda_graphs)
     provider = _available(backend)
     gpu_libraries()
     # The graph's own types decide the precision: fp16 kernels for an fp16 graph only, so a
@@ -82,13 +84,16 @@ def providers_for(bundle: Bundle, role: str, backend: str, slots: int = 1) -> li
     return [(provider, options), CUDA, "CPUExecutionProvider"]
 
 
-def plain_providers(backend: str) -> list:
-    """Execution providers for `onnxruntime` or `onnxruntime-cuda`, which need no bundle."""
+def plain_providers(backend: str, cuda_graphs: bool = False) -> list:
+    """Execution providers for `onnxruntime` or `onnxruntime-cuda`, which need no bundle;
+    cuda_graphs: the CUDA provider captures and replays calls (engines/cuda_graphs.py)."""
     provider = _available(backend)
     if backend == "onnxruntime":
         return [provider]
     gpu_libraries()
-    return [CUDA, "CPUExecutionProvider"]
+    name, options = CUDA
+    cuda = (name, {**options, "enable_cuda_graph": "1"}) if cuda_graphs else CUDA
+    return [cuda, "CPUExecutionProvider"]
 
 
 def _available(backend: str) -> str:

@@ -280,9 +280,12 @@ def _call_shapes(b: _Builder, shape: ModelShape, eps: float) -> tuple[Call, dict
 def _head(b: _Builder, x: str, embed, eps: float) -> None:
     """The final norm and the vocabulary projection, for the last `logits_to_keep` positions
     only (a prefill needs one)."""
-    x = b.op(
-        "Slice", x, b.op("Neg", "logits_to_keep"), b.const([np.iinfo(np.int64).max]), b.const([1])
-    )
+    # The first row kept, S - logits_to_keep, from the call's shape: a size computed where
+    # sizes are (the host), since on a GPU a Neg of the input would run on the device and
+    # copy its result back for Slice to read (a Memcpy node; batched_attention.py).
+    seq = b.op("Slice", b.op("Shape", x), b.const([1]), b.const([2]))
+    first = b.op("Sub", seq, "logits_to_keep")
+    x = b.op("Slice", x, first, b.const([np.iinfo(np.int64).max]), b.const([1]))
     x = _rms_norm(b, x, "model.norm", "norm", eps)
     config, tensors = b.tensors.config, b.tensors
     tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in tensors

@@ -103,6 +103,25 @@ def test_speculation_on_the_gpu_graph_is_its_target_alone(gpu_graph_bundles, for
         _close_to_cpu(Bundle.load(path), "onnxruntime-cuda")
 
 
+@needs("onnxruntime-cuda")
+def test_replayed_calls_score_as_plain_ones(gpu_graph_bundles, monkeypatch):
+    """A decode and a verify replayed from CUDA graphs give the logits of the same calls run
+    plainly, bit for bit, through the calls ONNX Runtime runs before capturing and after."""
+    bundle = Bundle.load(gpu_graph_bundles[("matmul", "fp16")])
+    replayed = load_engine(bundle, "target", "onnxruntime-cuda")
+    monkeypatch.setenv("SPECRT_CUDA_GRAPHS", "0")
+    plain = load_engine(bundle, "target", "onnxruntime-cuda")
+    assert replayed._graphs is not None and plain._graphs is None
+    for engine in (replayed, plain):
+        engine.forward(list(range(5, 25)), last=1)
+    for step in range(5):
+        for tokens in ([30 + step], [31, 32, 33, 34 + step]):
+            assert np.array_equal(replayed.forward(tokens), plain.forward(tokens)), step
+            replayed.rollback(20)
+            plain.rollback(20)
+    assert {(0, 1, 1, 1), (0, 1, 4, 4)} <= set(replayed._graphs.shapes)
+
+
 @pytest.fixture(scope="module")
 def trt_bundles(pairs, tmp_path_factory) -> dict:
     from specrt.exporter.build import build_bundle

@@ -160,7 +160,31 @@ def time_engine(engine, prompt: int, widths: list[int], rows: int, repeat: int) 
                 engine.rollback(prompt, slot)
 
         timings["batch8_decode_ms"] = median_ms(batch, repeat)
+        timings |= drift(engine, ids[prompt : prompt + 5], prompt, rows)
     return timings
+
+
+def drift(engine, new: list[int], prompt: int, rows: int) -> dict:
+    """How far a row's logits move with the call around it (speculation's exactness rests on
+    it not moving): its decode alone against the same call in a batch of `rows` equal rows,
+    and a verify of its next 5 tokens against 5 decodes. The CPU's kernels give 0.0 here
+    (the engine's row probe checks it); a GPU's are measured, not assumed."""
+
+    def call(calls: list) -> list:
+        out = engine.forward_rows(calls)
+        for slot, _ in calls:
+            engine.rollback(prompt, slot)
+        return out
+
+    alone = call([(0, new[:1])])[0]
+    batched = call([(slot, new[:1]) for slot in range(rows)])[0]
+    verify = call([(0, new)])[0]
+    steps = [engine.forward_rows([(0, [token])])[0] for token in new]  # one call a token
+    engine.rollback(prompt, 0)
+    return {
+        "row_alone_vs_batch_max": float(np.abs(alone - batched).max()),
+        "verify5_vs_decodes_max": float(np.abs(verify - np.concatenate(steps)).max()),
+    }
 
 
 def ort_engine(path: Path, name: str, backend: str, capacity: int, rows: int, graphs: int = 0):
@@ -336,8 +360,8 @@ def markdown(result: dict) -> str:
         + str(result["options"]["prompt"])
         + " | "
         + " | ".join(f"w={w}" for w in widths)
-        + " | 8 rows, w=1 |",
-        "|---" * (4 + len(widths) + 1) + "|",
+        + " | 8 rows, w=1 | max Δ alone/8 rows | max Δ verify 5/decodes |",
+        "|---" * (4 + len(widths) + 3) + "|",
     ]
     for row in result["rows"]:
         head = f"| {row['shape']} | {label(row)} | {row['precision']} | "
@@ -346,6 +370,8 @@ def markdown(result: dict) -> str:
             continue
         cells = [_ms(row["prefill_ms"])] + [_ms(row["verify_ms"].get(w)) for w in widths]
         cells.append(_ms(row.get("batch8_decode_ms")))
+        drifts = (row.get(k) for k in ("row_alone_vs_batch_max", "verify5_vs_decodes_max"))
+        cells += ["—" if d is None else f"{d:.1e}" for d in drifts]
         lines.append(head + " | ".join(cells) + " |")
     for priced in result["priced"]:
         rates = priced["tokens_per_s"]

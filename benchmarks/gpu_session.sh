@@ -7,7 +7,9 @@
 #   run(carry=[".p4"], command="cp .p4/* /tmp/ort-parts/ && bash benchmarks/gpu_session.sh")
 # The machine's own python3 holds torch, transformers, onnx and safetensors; specrt runs from
 # src. GPU_CALLS overrides gpu_calls.py's arguments (a dry run on the CPU: "--device cpu ...");
-# the default fits the call's time: fp16 (the goals' precision), each attention, 10 repeats.
+# the default fits the call's time: fp16 (the goals' precision), 10 repeats, the CPU graph
+# beside the GPU graph's matmul form with and without CUDA graphs (each form is an export of
+# minutes; GPU_CALLS="--precisions fp16 --attentions onnx,onnx+graphs" measures the other).
 set -uo pipefail
 out=${OUT:-/tmp/gpu-session}; parts=${PARTS:-/tmp/ort-parts}; ort=/tmp/ort-gpu
 mkdir -p "$out"
@@ -23,7 +25,8 @@ $python -m specrt.cli doctor 2>&1 | tee "$out/doctor.txt"
 timeout 200 $python -m pytest -q -p no:cacheprovider tests/test_gpu_engines.py \
   tests/test_gpu_plans.py 2>&1 | tee "$out/tests.txt" | tail -25
 # shellcheck disable=SC2086
-timeout 280 $python benchmarks/gpu_calls.py ${GPU_CALLS:---precisions fp16 --repeat 10} \
+defaults="--precisions fp16 --repeat 10 --attentions in_place,matmul,matmul+graphs"
+timeout 360 $python benchmarks/gpu_calls.py ${GPU_CALLS:-$defaults} \
   --out "$out/gpu-calls" \
   2>"$out/gpu-calls.log" || tail -20 "$out/gpu-calls.log"
 ls -la "$out"

@@ -43,6 +43,7 @@ def test_the_gpu_call_table_runs_its_whole_path_on_the_cpu(tmp_path):
         assert row["verify_ms"]["3"] > 0
         if backend.startswith("onnxruntime"):  # the engine's batch; PyTorch's hold one row
             assert row["batch8_decode_ms"] > 0
+            assert row["row_alone_vs_batch_max"] >= 0 and row["verify5_vs_decodes_max"] >= 0
     priced = {p["backend"]: p for p in recorded["priced"]}
     assert set(priced) == set(rows)
     for entry in priced.values():

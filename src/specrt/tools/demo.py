@@ -42,11 +42,12 @@ def _cached_bundle(path: Path, log: Log) -> bool:
     return True
 
 
-def tiny_bundle(log: Log, tensorrt: TrtOptions | None = None) -> Path:
+def tiny_bundle(log: Log, tensorrt: TrtOptions | None = None, gpu=None) -> Path:
     """The tiny llama pair's bundle, built once; tensorrt (TrtOptions) builds a variant with
-    TensorRT engines beside it, for the GPU check."""
+    TensorRT engines beside it, gpu (GpuGraph) one with GPU graphs, for the GPU check."""
     home = specrt_home() / "tiny"
-    bundle = home / ("bundle" if tensorrt is None else "bundle-tensorrt")
+    variant = "-tensorrt" if tensorrt is not None else "-gpu" if gpu is not None else ""
+    bundle = home / f"bundle{variant}"
     if not _cached_bundle(bundle, log):
         from specrt.exporter.build import build_bundle
         from specrt.exporter.tiny import make_tiny_pair
@@ -54,7 +55,14 @@ def tiny_bundle(log: Log, tensorrt: TrtOptions | None = None) -> Path:
         log(f"building a tiny llama pair under {home}")
         draft, target = make_tiny_pair(home / "models", "llama")
         build_bundle(
-            str(draft), str(target), bundle, max_context=512, force=True, tensorrt=tensorrt, log=log
+            str(draft),
+            str(target),
+            bundle,
+            max_context=512,
+            force=True,
+            tensorrt=tensorrt,
+            gpu=gpu,
+            log=log,
         )
     return bundle
 

@@ -120,10 +120,15 @@ def _logit_diff(engine, reference: dict) -> float:
 
 def default_bundles(reasons: dict[str, str], log: Log) -> list[Path]:
     """The tiny bundle (built here when missing; with TensorRT engines too where TensorRT can
-    run) and the built-in default pair's bundle, where `specrt demo` has built it."""
+    run, and with fp32 GPU graphs where onnxruntime-cuda can, so its row runs the batched
+    attention and CUDA graphs, still exact against the CPU) and the built-in default pair's
+    bundle, where `specrt demo` has built it."""
+    from specrt.exporter.batched_attention import GpuGraph
     from specrt.tools.demo import default_bundle_path, tiny_bundle
 
     bundles = [tiny_bundle(log)]
+    if "onnxruntime-cuda" not in reasons:
+        bundles.append(tiny_bundle(log, gpu=GpuGraph("matmul", "fp32")))
     if "tensorrt" not in reasons:
         from specrt.exporter.tensorrt import TrtOptions
         from specrt.files import specrt_home

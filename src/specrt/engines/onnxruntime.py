@@ -7,8 +7,10 @@ call's length, so the graph's attention reads the cache in place (exporter/atten
 of several binds their slots whole. The current length lives in Python: rollback is setting an
 int, and the next call's attention_mask length tells the graph where to write. Logits land in a
 preallocated host buffer. Cache and logits take the graph's own float type (an fp16 graph keeps
-an fp16 cache); the runtime always receives float32 logits. Imports neither torch nor
-transformers.
+an fp16 cache); the runtime always receives float32 logits. A GPU graph's caches are laid out
+by head, [slots, kv_heads, capacity, head_dim], and bound whole in every call (exporter/
+batched_attention.py); on onnxruntime-cuda its decode and verify calls replay CUDA graphs
+(cuda_graphs.py). Imports neither torch nor transformers.
 """
 
 from __future__ import annotations

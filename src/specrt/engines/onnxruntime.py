@@ -89,26 +89,11 @@ class OrtEngine(BufferCache):
         self._positions_held = capacity + margin
         self._start_cache(slots)
         self._binding = self.session.io_binding()
-        types = {i.name: i.type for i in self.session.get_inputs()}
-        types.update({o.name: o.type for o in self.session.get_outputs()})
-        self._cache_type = FLOAT_TYPES[types[_FIRST_CACHE]]
-        self._logits_type = FLOAT_TYPES[types["logits"]]
-        # A graph whose caches are laid out by head attends over them whole in every call
-        # (exporter/batched_attention.py); the CPU graph's lone row binds at its length, but
-        # TensorRT's profiles fix the caches' shape.
-        cache_dims = next(i.shape for i in self.session.get_inputs() if i.name == _FIRST_CACHE)
-        self.by_head = cache_dims[2] == "positions"
-        trt = provider_name(providers[0]) == "TensorrtExecutionProvider"
-        self._in_place = not (trt or self.by_head)
-        self._row_shape = [self._positions_held, num_kv_heads, head_dim]
-        if self.by_head:
-            self._row_shape[:2] = [num_kv_heads, self._positions_held]
-        if cuda_graphs and not self.by_head:
-            raise SpecrtError(
-                f"{graph}: CUDA graphs need a graph without control flow (the GPU graph of "
-                "`specrt build --backend onnxruntime-cuda`)"
-            )
-        self._graphs = CudaGraphs(self.session, self.device, cuda_graphs) if cuda_graphs else None
+        values = [*self.session.get_inputs(), *self.session.get_outputs()]
+        args = {value.name: value for value in values}
+        self._cache_type = FLOAT_TYPES[args[_FIRST_CACHE].type]
+        self._logits_type = FLOAT_TYPES[args["logits"].type]
+        self._layout(args[_FIRST_CACHE].shape, providers, num_kv_heads, head_dim, cuda_graphs)
         self._pages: list[mmap.mmap] = []  # the CPU caches' mappings (see `release`)
         self._caches = [
             self._zeros([slots, *self._row_shape], f"past_key_values.{i}.{kind}")
@@ -119,6 +104,23 @@ class OrtEngine(BufferCache):
         self._bound = (0, 0, 0)  # (first slot, rows, positions) the caches are bound for
         self._mask = np.ones((slots, self._positions_held), np.int64)
         self._logits = np.empty(slots * 16 * vocab_size, self._logits_type)  # grows as needed
+
+    def _layout(self, dims: list, providers: list, kv: int, head_dim: int, graphs: int) -> None:
+        """How the caches are laid out and bound, from the graph's cache dims. A graph whose
+        caches are laid out by head attends over them whole in every call (exporter/
+        batched_attention.py) and may replay CUDA graphs; the CPU graph's lone row binds at its
+        length, but TensorRT's profiles fix the caches' shape."""
+        self.by_head = dims[2] == "positions"
+        trt = provider_name(providers[0]) == "TensorrtExecutionProvider"
+        self._in_place = not (trt or self.by_head)
+        held = self._positions_held
+        self._row_shape = [kv, held, head_dim] if self.by_head else [held, kv, head_dim]
+        if graphs and not self.by_head:
+            raise SpecrtError(
+                f"{self.graph}: CUDA graphs need a graph without control flow (the GPU graph "
+                "of `specrt build --backend onnxruntime-cuda`)"
+            )
+        self._graphs = CudaGraphs(self.session, self.device, graphs) if graphs else None
 
     def pad_to_even_rows(self, on: bool) -> None:
         """Run every later call on an even number of rows (see `_call`), or not."""

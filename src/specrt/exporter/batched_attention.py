@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 from onnx import TensorProto
 
+from specrt.errors import SpecrtError
 from specrt.exporter.attention import softcap
 
 FORMS = ("matmul", "onnx")
@@ -121,8 +122,6 @@ class GpuGraph:
     precision: str = "fp16"
 
     def __post_init__(self) -> None:
-        from specrt.errors import SpecrtError
-
         if self.attention not in FORMS:
             raise SpecrtError(f"GPU attention {self.attention!r} is not one of {FORMS}")
         if self.precision not in GPU_PRECISIONS:

@@ -232,11 +232,7 @@ def _export_role(
         f"{_label(precision)})"
     )
     record = _write_role_graph(tensors, folder, capacity, precision, log)
-    if plan.gpu is not None:
-        log(
-            f"[{role}] writing the GPU graph ({plan.gpu.precision}, {plan.gpu.attention} attention)"
-        )
-        _write_float(tensors, folder / GPU_FOLDER, capacity, plan.gpu.precision, plan.gpu.attention)
+    gpu = None if plan.gpu is None else _write_gpu_graph(role, tensors, folder, capacity, plan)
     engine = None
     if plan.tensorrt is not None:
         log(f"[{role}] building the TensorRT engine ({plan.tensorrt.precision})")
@@ -266,8 +262,8 @@ def _export_role(
     }
     if engine is not None:
         info["tensorrt"] = engine
-    if plan.gpu is not None:
-        info["gpu"] = plan.gpu.as_dict()
+    if gpu is not None:
+        info["gpu"] = gpu
     return info, eos_token_ids(source, config, tokenizer)
 
 
@@ -287,6 +283,14 @@ def _write_role_graph(tensors, folder: Path, capacity: int, precision: Precision
     for form, count in sorted(Counter(projections.forms.values()).items()):
         log(f"  {count} x {form}")
     return record
+
+
+def _write_gpu_graph(role: str, tensors, folder: Path, capacity: int, plan: _Plan) -> dict:
+    """The role's GPU graph (batched_attention.py) beside its CPU graph; its manifest entry."""
+    gpu = plan.gpu
+    plan.log(f"[{role}] writing the GPU graph ({gpu.precision}, {gpu.attention} attention)")
+    _write_float(tensors, folder / GPU_FOLDER, capacity, gpu.precision, gpu.attention)
+    return gpu.as_dict()
 
 
 def _write_float(

@@ -49,8 +49,8 @@ def prompts(
 def measure(bundle: Path, picked_by, windows: list[int], max_new: int, warm: bool) -> list[dict]:
     """Per prompt, a run per column (`columns`), each from its costs and a fresh pool."""
     from specrt.runtime import SpeculativeRuntime
-    from specrt.runtime.controller import PooledAcceptance
     from specrt.runtime.drafters import make_drafter
+    from specrt.runtime.pool import PooledAcceptance
 
     rt = SpeculativeRuntime.load(bundle)
     starts = {"": copy.deepcopy(rt.costs)}

@@ -105,8 +105,8 @@ def speculation_row(bundle: str, size: int, task: str, answer: int, runs: list[s
     (the speculating runs from the target alone's prefix in the slot), each from the
     calibrated costs and a fresh acceptance pool."""
     from specrt.runtime import SpeculativeRuntime
-    from specrt.runtime.controller import PooledAcceptance
     from specrt.runtime.drafters import DRAFT_WINDOW, make_drafter
+    from specrt.runtime.pool import PooledAcceptance
 
     rt = SpeculativeRuntime.load(bundle)
     calibrated = copy.deepcopy(rt.costs)

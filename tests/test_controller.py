@@ -9,18 +9,19 @@ from fixed_costs import flat_costs, gguf_costs
 from specrt.runtime import SpeculativeRuntime
 from specrt.runtime.controller import (
     PROBE_AFTER,
+    REFRESH_MARGIN,
     SWITCH_GAIN,
     WARM_UP_K,
     Adaptive,
     Fixed,
     Heuristic,
-    PooledAcceptance,
     RoundContext,
     decide_round,
     decide_together,
     make_controller,
 )
-from specrt.runtime.costs import StepCosts
+from specrt.runtime.costs import STALE_AFTER, StepCosts
+from specrt.runtime.pool import PooledAcceptance
 from specrt.runtime.pricing import expected_tokens, first_step_rows, price_round
 
 PROMPT = "def fibonacci(n):"
@@ -305,6 +306,59 @@ def test_a_batch_keeps_its_course_where_drafting_and_the_target_alone_price_alik
 
     assert min(ks(last_k=1)) >= 1  # drafting, and drafting still pays a little: it goes on
     assert ks(last_k=0) == [0] * 4  # not drafting: 1 % is no reason to start
+
+
+def _drafting_rounds(costs: StepCosts, truth: StepCosts, alpha: float, rounds: int) -> list[int]:
+    """4 requests at acceptance alpha on `costs`, whose calls take what `truth` prices: the
+    batch's K, round by round (each request's estimate held at alpha)."""
+    batch = [Adaptive(costs=costs, prior_alpha=alpha, pool_weight=1e9) for _ in range(4)]
+    ks = []
+    for _ in range(rounds):
+        decisions = decide_together(batch, [RoundContext(8, 100, 256, lag=2)] * 4, costs)
+        k = max(d.k for d in decisions)
+        costs.observe_verify(4 * (k + 1), truth.verify_cost(4 * (k + 1)))
+        for policy, decision in zip(batch, decisions, strict=True):
+            policy.observe(decision.k, decision.k)
+        ks.append(k)
+    return ks
+
+
+def test_a_stale_price_of_the_target_alone_is_timed_again(monkeypatch):
+    """The target alone's call priced from a slower spell of the machine (15 % dear) while the
+    batch drafts: on the gguf curves at acceptance 0.75 drafting then looks best, though the
+    target alone is 8 % faster. Untimed for STALE_AFTER rounds, that call is timed again in one
+    round without drafts, and the batch stops drafting. Control: without the re-timing it
+    drafts on, since only the calls in use are timed."""
+    truth = gguf_costs()
+
+    def stale() -> StepCosts:
+        costs = StepCosts(draft=dict(truth.draft), verify=dict(truth.verify))
+        costs.verify[4] *= 1.15  # and 5, since no count is priced above a larger one
+        costs.verify[5] *= 1.15
+        return costs
+
+    alone = 4 / truth.verify_cost(4)
+    k1 = price_round([1] * 4, [0.75] * 4, ["model"] * 4, [(2, 256)] * 4, (), truth)[0]
+    assert alone > SWITCH_GAIN * k1 and k1 > alone / 1.15 and REFRESH_MARGIN * alone / 1.15 > k1
+    ks = _drafting_rounds(stale(), truth, 0.75, 3 * STALE_AFTER)
+    assert min(ks[:STALE_AFTER]) >= 1 and ks[STALE_AFTER] == 0  # the re-timing round
+    assert ks[STALE_AFTER + 1 :] == [0] * (2 * STALE_AFTER - 1)
+    monkeypatch.setattr("specrt.runtime.controller.REFRESH_MARGIN", 0.0)
+    assert min(_drafting_rounds(stale(), truth, 0.75, 3 * STALE_AFTER)) >= 1
+
+
+def test_a_stale_count_takes_a_faster_time_and_half_a_slower_one():
+    costs = StepCosts(verify={4: 0.30, 8: 0.40})
+    for _ in range(STALE_AFTER):
+        costs.observe_verify(8, 0.40)
+    costs.observe_verify(4, 0.20)  # the machine is faster now
+    assert costs.verify_cost(4) == pytest.approx(0.20)
+    for _ in range(STALE_AFTER):
+        costs.observe_verify(8, 0.40)
+    costs.observe_verify(4, 0.30)  # or slower again
+    assert costs.verify_cost(4) == pytest.approx(0.25)
+    costs.observe_verify(4, 0.30)  # timed just now: a fresh count blends
+    assert costs.verify_cost(4) == pytest.approx(0.7 * 0.25 + 0.3 * 0.30)
 
 
 def test_no_probe_where_it_would_widen_a_compute_bound_call():

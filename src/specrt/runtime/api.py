@@ -23,13 +23,14 @@ from specrt.engines import load_engine
 from specrt.engines.base import Engine
 from specrt.errors import SpecrtError
 from specrt.runtime.constraints import Constraints
-from specrt.runtime.controller import PooledAcceptance, make_controller
+from specrt.runtime.controller import make_controller
 from specrt.runtime.costs import StepCosts, measure_costs
 from specrt.runtime.drafters import DRAFT_WINDOW, ConstrainedDrafter, make_drafter
 from specrt.runtime.generation import Generation
 from specrt.runtime.grammar import Grammar, Grammars
 from specrt.runtime.logprobs import check_top
 from specrt.runtime.options import Options
+from specrt.runtime.pool import PooledAcceptance
 from specrt.runtime.prediction import PredictionDrafter
 from specrt.runtime.prefix_store import PrefixStore
 from specrt.runtime.prompt_cache import PromptCache

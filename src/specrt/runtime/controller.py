@@ -25,7 +25,8 @@ from typing import Protocol
 import numpy as np
 
 from specrt.errors import SpecrtError
-from specrt.runtime.costs import StepCosts
+from specrt.runtime.costs import STALE_AFTER, StepCosts
+from specrt.runtime.pool import PooledAcceptance, fade_in
 from specrt.runtime.pricing import ROUND_LAG, price_round
 
 PROBE_AFTER = 16  # rounds at K = 0 after which an adaptive request drafts one token again...
@@ -33,8 +34,8 @@ PROBE_COST = 1.1  # ...in a batch, if the wider call costs at most this much mor
 PROBE_SHARE = 0.03  # alone, if its extra cost is at most this share of the rounds it waited
 DOUBT_Z, DOUBT_AFTER = 1.0, 4.0  # own drafts bound acceptance (84 %, Wilson) once 4 are judged
 SWITCH_GAIN = 1.05  # a batch starts or stops the model's drafts only for this much more tok/s
+REFRESH_MARGIN = 1.15  # a stale call (costs.STALE_AFTER) is re-timed if it prices this close
 WARM_UP_K = 4  # drafts a round takes while a source cannot be priced yet
-POOL_WARM = 8.0  # drafts of a source a runtime judges (decayed) before it prices that source
 
 
 @dataclass(frozen=True)
@@ -105,44 +106,6 @@ class Heuristic:
 
 
 @dataclass
-class PooledAcceptance:
-    """Acceptance per draft source over every request of a runtime, decayed per drafted token:
-    what each request's own estimate is shrunk toward. Acceptance belongs to the request, but a
-    pair's typical acceptance is known before a request drafts its first token. Started from a
-    fixed prior instead, a new request in a busy batch priced drafting below the target alone,
-    and a probe there widens every request's call, so it never drafted to learn better
-    (measured at 2 clients on the gguf target: K = 0 throughout, 0.80x fixed K = 1)."""
-
-    decay: float = 0.99  # the last ~100 drafted tokens of any request
-    counts: dict[str, list[float]] = field(default_factory=dict)  # source: [accepted, rejected]
-
-    def alpha(self, source: str) -> float | None:
-        """The pooled acceptance of this source, or None before any of its drafts was judged."""
-        if source not in self.counts:
-            return None
-        accepted, rejected = self.counts[source]
-        return accepted / (accepted + rejected)
-
-    def warm(self, source: str) -> bool:
-        """Whether the runtime has judged enough of this source's drafts (POOL_WARM) to price
-        them in a batch. Before that, a batch drafts to learn: priced from a fixed prior
-        instead, a server that starts under load never drafted (at 2 clients on the gguf
-        target, K = 0 throughout where fixed K = 1 ran 1.03x faster), since in a batch no probe
-        widens the call."""
-        return sum(self.counts.get(source, ())) >= POOL_WARM
-
-    def observe(self, source: str, accepted: int, rejected: int) -> None:
-        fade_in(self.counts.setdefault(source, [0.0, 0.0]), self.decay, accepted, rejected)
-
-
-def fade_in(counts: list[float], decay: float, accepted: int, rejected: int) -> None:
-    """Add a round's judged drafts to [accepted, rejected] counts, older ones decayed per token."""
-    fade = decay ** (accepted + rejected)
-    counts[0] = fade * counts[0] + accepted
-    counts[1] = fade * counts[1] + rejected
-
-
-@dataclass
 class Adaptive:
     """Pick K maximising expected tokens per second from measured acceptance and costs.
 
@@ -170,6 +133,7 @@ class Adaptive:
     idle: int = field(init=False, default=0)  # rounds in a row without drafting
     last_k: int | None = field(init=False, default=None)  # drafts of its last round
     probing: bool = field(init=False, default=False)  # its last decision was a probe
+    refreshing: bool = field(init=False, default=False)  # ...or re-timed the call without drafts
 
     def alpha(self, source: str = "model") -> float:
         """Acceptance per drafted token: the geometric MLE over this request's recent (decayed)
@@ -225,6 +189,9 @@ class Adaptive:
         return decide_together([self], [ctx], self.costs)[0]
 
     def observe(self, k: int, accepted: int, source: str = "model") -> None:
+        if self.refreshing:  # a round that only re-timed a call: the course goes on
+            self.refreshing = False
+            return
         self.idle = 0 if k else self.idle + 1
         self.last_k = k
         if self.probing:
@@ -310,11 +277,13 @@ def _priced(policies, contexts, capped, costs: StepCosts, others) -> list[Decisi
         ]
         options.append((*price_round(ks, alphas, sources, lags, others, costs), ks))
     drafting = any(
-        p.last_k and c.lag <= ROUND_LAG
+        p.last_k and c.lag <= ROUND_LAG + 1  # + 1: a round that re-timed the call (_refresh)
         for p, c in zip(policies, contexts, strict=True)
         if c.source == "model"
     )
-    rate, draft, verify, ks = _keep_course(options, sources, drafting)
+    chosen = _keep_course(options, sources, drafting)
+    refresh = _refresh(options, chosen, sources, others, costs)
+    rate, draft, verify, ks = refresh or chosen
     batch = len(policies) + len(others)
     base = costs.verify_cost(batch)  # the batch's call at K = 0
     shares = f"c_draft(K)/c_verify={draft / base:.2f} c_verify(K)/c_verify(0)={verify / base:.2f}"
@@ -323,6 +292,11 @@ def _priced(policies, contexts, capped, costs: StepCosts, others) -> list[Decisi
         f"{size}{note}{c.source} alpha={alpha:.2f} {shares} -> {rate:.1f} tok/s"
         for (_, note), c, alpha in zip(capped, contexts, alphas, strict=True)
     ]
+    if refresh:
+        age = costs.verify_age(_rows(ks, others))
+        reasons = [f"{why}; re-timing the call without drafts, {age} rounds old" for why in reasons]
+        for policy, source in zip(policies, sources, strict=True):
+            policy.refreshing = source == "model"
     return _probed(policies, contexts, caps, ks, reasons, costs, batch, draft + verify)
 
 
@@ -361,18 +335,43 @@ def _keep_course(options: list[tuple], sources: Sequence[str], drafting: bool) -
     adaptive drafted a mean K of 0.47 at 4 clients and ran at 0.81x the target alone, which
     either course alone matched."""
 
-    def best(candidates: list[tuple]) -> tuple:
-        return max(candidates, key=lambda option: option[0])
-
-    def model_drafts(option: tuple) -> bool:
-        return any(k and s == "model" for k, s in zip(option[3], sources, strict=True))
-
-    chosen = best(options)
-    same = [option for option in options if model_drafts(option) == drafting]
-    if model_drafts(chosen) == drafting or not same:
+    chosen = _best(options)
+    same = [option for option in options if _model_drafts(option, sources) == drafting]
+    if _model_drafts(chosen, sources) == drafting or not same:
         return chosen
-    stay = best(same)
+    stay = _best(same)
     return chosen if chosen[0] > SWITCH_GAIN * stay[0] else stay
+
+
+def _refresh(options: list[tuple], chosen: tuple, sources: Sequence[str], others, costs):
+    """The best option without the model's drafts, for one round, where the chosen one drafts
+    by the model, prices within REFRESH_MARGIN of it, and its verify call was last timed
+    STALE_AFTER rounds ago or more; else None. Only the calls in use are timed again, and a
+    shared machine's speed drifts by tens of percent within minutes: at 4 clients the target
+    alone's call kept the price of a slow spell (187 ms where its rounds took 167) while the
+    drafting rounds were timed afresh, and adaptive drafted at 0.93x the target alone. One
+    round in STALE_AFTER costs at most a sixth of a round."""
+    if not _model_drafts(chosen, sources):
+        return None
+    alone = [option for option in options if not _model_drafts(option, sources)]
+    if not alone:
+        return None
+    best = _best(alone)
+    stale = costs.verify_age(_rows(best[3], others)) >= STALE_AFTER
+    return best if stale and REFRESH_MARGIN * best[0] >= chosen[0] else None
+
+
+def _rows(ks: Sequence[int], others: Sequence[int]) -> int:
+    """Rows of the verify call of a round where the joint requests draft ks."""
+    return (len(ks) + len(others)) * (max([*ks, *others]) + 1)
+
+
+def _best(options: list[tuple]) -> tuple:
+    return max(options, key=lambda option: option[0])
+
+
+def _model_drafts(option: tuple, sources: Sequence[str]) -> bool:
+    return any(k and s == "model" for k, s in zip(option[3], sources, strict=True))
 
 
 def _pairs_of_k(caps, sources) -> list[tuple[int, int]]:

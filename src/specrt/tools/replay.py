@@ -28,9 +28,10 @@ import numpy as np
 
 from specrt.errors import SpecrtError
 from specrt.files import write_json_atomic
-from specrt.runtime.controller import PooledAcceptance, RoundContext, decide_round, make_controller
+from specrt.runtime.controller import RoundContext, decide_round, make_controller
 from specrt.runtime.costs import StepCosts
 from specrt.runtime.drafters import draft_seconds
+from specrt.runtime.pool import PooledAcceptance
 
 
 @dataclass(frozen=True)

@@ -181,3 +181,23 @@ def test_goals_and_report_put_specrt_beside_llama_servers_best():
     # with --repeat, the changed outputs of every run are counted against every run's requests
     entries[3] |= {"aggregate_runs": [48.0, 50.0, 51.0], "mismatches": 5}
     assert "llamacpp_draft_8: 5 of 12 outputs changed with load" in markdown(result)
+
+
+def test_adaptive_is_also_compared_turn_by_turn():
+    """A slow spell on one turn of every configuration cancels out in the paired ratios,
+    where the medians across turns put adaptive at 0.9x."""
+    entries = [
+        _entry("target_only_q", "q", 4, 20.0) | {"aggregate_runs": [20.0, 15.0, 25.0]},
+        _entry("adaptive_q", "q", 4, 18.0) | {"aggregate_runs": [19.6, 14.5, 18.0]},
+    ]
+    (goal,) = goals(entries)
+    assert goal["adaptive_vs_best"] == pytest.approx(0.9)
+    assert goal["adaptive_vs_best_by_turn"] == pytest.approx([0.98, 14.5 / 15, 0.72])
+    result = {
+        "machine": {"cpu": "x", "simd": [], "cores": 2, "memory_gib": 1, "date": "d"},
+        "settings": {"levels": [4], "prompts": 4, "max_new_tokens": 8, "repeat": 3},
+        "configs": entries,
+        "goals": [goal],
+        "notes": [],
+    }
+    assert "| 0.90× | 0.98, 0.97, 0.72 (0.97×) |" in markdown(result)

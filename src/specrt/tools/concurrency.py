@@ -274,12 +274,15 @@ def goals(entries: list[dict]) -> list[dict]:
 
 
 def _by_turn(adaptive: dict, here: list[dict]) -> list[float]:
-    """Adaptive's run in each turn of a level (`--repeat`) against that turn's best run of any
-    configuration: paired, so a slow spell that falls on a whole turn cancels out. On a shared
-    2-core machine the same configuration ran 14.8 and 25.0 tokens/s within the hour, so medians
-    taken across turns can put 10 % between configurations that chose the same K."""
-    runs = [e.get("aggregate_runs", [e["aggregate_tokens_per_s"]]) for e in here]
-    if len({len(r) for r in runs}) != 1:
+    """Adaptive's run in each turn of a level (`--repeat`) against that turn's best run of the
+    other configurations (above 1 where adaptive beat them all): paired, so a slow spell that
+    falls on a whole turn cancels out. On a shared 2-core machine the same configuration ran
+    14.8 and 25.0 tokens/s within the hour, so medians taken across turns can put 10 % between
+    configurations that chose the same K."""
+    runs = [
+        e.get("aggregate_runs", [e["aggregate_tokens_per_s"]]) for e in here if e is not adaptive
+    ]
+    if not runs or len({len(r) for r in runs}) != 1:
         return []
     mine = adaptive.get("aggregate_runs", [adaptive["aggregate_tokens_per_s"]])
     return [mine[t] / max(r[t] for r in runs) for t in range(len(mine))]
@@ -337,7 +340,7 @@ def markdown(result: dict) -> str:
         "",
         "Goals (adaptive's aggregate tokens/s against single-stream adaptive, the batched "
         "target alone, and the best configuration at that concurrency; by turn: against the "
-        "best run of each turn of configurations, and the median of those):",
+        "best run of the other configurations in each turn, and the median of those):",
         "",
         "| bundle | concurrency | vs single stream | vs target alone | vs best | by turn | best "
         "| mean K | vs llama.cpp's best | llama.cpp's best |",

@@ -157,6 +157,17 @@ def _entry(name: str, bundle: str, level: int, rate: float, mismatches: int = 0)
     }
 
 
+def _result(entries: list[dict], goal: dict, repeat: int) -> dict:
+    """A concurrency run's result at one level of 4 clients, as `markdown` reads it."""
+    return {
+        "machine": {"cpu": "x", "simd": [], "cores": 2, "memory_gib": 1, "date": "d"},
+        "settings": {"levels": [4], "prompts": 4, "max_new_tokens": 8, "repeat": repeat},
+        "configs": entries,
+        "goals": [goal],
+        "notes": [],
+    }
+
+
 def test_goals_and_report_put_specrt_beside_llama_servers_best():
     entries = [
         _entry("adaptive_q", "q", 4, 60.0),
@@ -168,13 +179,7 @@ def test_goals_and_report_put_specrt_beside_llama_servers_best():
     assert goal["bundle"] == "q" and goal["llamacpp_best"] == "llamacpp_draft_8"
     assert goal["adaptive_vs_llamacpp_best"] == pytest.approx(1.2)
     assert goal["best"] == "adaptive_q"  # llama.cpp's rows are not specrt's configurations
-    result = {
-        "machine": {"cpu": "x", "simd": [], "cores": 2, "memory_gib": 1, "date": "d"},
-        "settings": {"levels": [4], "prompts": 4, "max_new_tokens": 8, "repeat": 1},
-        "configs": entries,
-        "goals": [goal],
-        "notes": [],
-    }
+    result = _result(entries, goal, repeat=1)
     text = markdown(result)
     assert "llamacpp_draft_8: 2 of 4 outputs changed with load" in text
     assert "| llamacpp_draft_8 | 50.0 |" in text
@@ -193,11 +198,4 @@ def test_adaptive_is_also_compared_turn_by_turn():
     (goal,) = goals(entries)
     assert goal["adaptive_vs_best"] == pytest.approx(0.9)
     assert goal["adaptive_vs_best_by_turn"] == pytest.approx([0.98, 14.5 / 15, 0.72])
-    result = {
-        "machine": {"cpu": "x", "simd": [], "cores": 2, "memory_gib": 1, "date": "d"},
-        "settings": {"levels": [4], "prompts": 4, "max_new_tokens": 8, "repeat": 3},
-        "configs": entries,
-        "goals": [goal],
-        "notes": [],
-    }
-    assert "| 0.90× | 0.98, 0.97, 0.72 (0.97×) |" in markdown(result)
+    assert "| 0.90× | 0.98, 0.97, 0.72 (0.97×) |" in markdown(_result(entries, goal, repeat=3))

@@ -27,7 +27,7 @@ import numpy as np
 from specrt.errors import SpecrtError
 from specrt.runtime.costs import STALE_AFTER, StepCosts
 from specrt.runtime.pool import PooledAcceptance, fade_in
-from specrt.runtime.pricing import ROUND_LAG, price_round
+from specrt.runtime.pricing import ROUND_LAG, price_round, verify_rows
 
 PROBE_AFTER = 16  # rounds at K = 0 after which an adaptive request drafts one token again...
 PROBE_COST = 1.1  # ...in a batch, if the wider call costs at most this much more than its round
@@ -293,7 +293,7 @@ def _priced(policies, contexts, capped, costs: StepCosts, others) -> list[Decisi
         for (_, note), c, alpha in zip(capped, contexts, alphas, strict=True)
     ]
     if refresh:
-        age = costs.verify_age(_rows(ks, others))
+        age = costs.verify_age(verify_rows(ks, others))
         reasons = [f"{why}; re-timing the call without drafts, {age} rounds old" for why in reasons]
         for policy, source in zip(policies, sources, strict=True):
             policy.refreshing = source == "model"
@@ -357,13 +357,8 @@ def _refresh(options: list[tuple], chosen: tuple, sources: Sequence[str], others
     if not alone:
         return None
     best = _best(alone)
-    stale = costs.verify_age(_rows(best[3], others)) >= STALE_AFTER
+    stale = costs.verify_age(verify_rows(best[3], others)) >= STALE_AFTER
     return best if stale and REFRESH_MARGIN * best[0] >= chosen[0] else None
-
-
-def _rows(ks: Sequence[int], others: Sequence[int]) -> int:
-    """Rows of the verify call of a round where the joint requests draft ks."""
-    return (len(ks) + len(others)) * (max([*ks, *others]) + 1)
 
 
 def _best(options: list[tuple]) -> tuple:

@@ -27,7 +27,6 @@ def price_round(ks, alphas, sources, lags, others, costs: StepCosts) -> tuple[fl
     seconds of its draft steps (their catch-ups included: a request that drafted at K = 0 for
     a while must first feed the draft model what it missed, and in a busy batch every other
     request waits for it) and of its verify call. lags: (lag, remaining tokens) per request."""
-    width = max([*ks, *others]) + 1
     drafting = [
         (k, alpha, lag)
         for k, alpha, s, lag in zip(ks, alphas, sources, lags, strict=True)
@@ -39,9 +38,15 @@ def price_round(ks, alphas, sources, lags, others, costs: StepCosts) -> tuple[fl
     draft += sum(
         _catch_up_share(costs, k, alpha, *lag) for k, alpha, lag in drafting if lag[0] > ROUND_LAG
     )
-    verify = costs.verify_cost((len(ks) + len(others)) * width)
+    verify = costs.verify_cost(verify_rows(ks, others))
     tokens = len(others) + sum(map(expected_tokens, alphas, ks))
     return tokens / (draft + verify), draft, verify
+
+
+def verify_rows(ks: Sequence[int], others: Sequence[int]) -> int:
+    """Rows of a round's verify call: every request padded to the widest K + 1, the batch's
+    other requests (`others`, their K) included."""
+    return (len(ks) + len(others)) * (max([*ks, *others]) + 1)
 
 
 def first_step_rows(drafting: Sequence[tuple[int, float]]) -> float:

@@ -336,7 +336,13 @@ def markdown(result: dict) -> str:
                 f"{e['per_token_p99_ms']:.0f} / {e['per_request_tokens_per_s']:.1f}"
             )
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines += [
+    lines += _goal_lines(result["goals"])
+    lines += [*padding_lines(result.get("row_padding", {})), *_llama_lines(result), ""]
+    return "\n".join(lines)
+
+
+def _goal_lines(goals: list[dict]) -> list[str]:
+    lines = [
         "",
         "Goals (adaptive's aggregate tokens/s against single-stream adaptive, the batched "
         "target alone, and the best configuration at that concurrency; by turn: against the "
@@ -346,7 +352,7 @@ def markdown(result: dict) -> str:
         "| mean K | vs llama.cpp's best | llama.cpp's best |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for g in result["goals"]:
+    for g in goals:
         lines.append(
             f"| {g['bundle']} | {g['concurrency']} | "
             f"{fmt(g['adaptive_vs_single_stream'], '.2f')}× | "
@@ -355,8 +361,7 @@ def markdown(result: dict) -> str:
             f"{g['best']} | {g['adaptive_mean_k']:.2f} | "
             f"{fmt(g.get('adaptive_vs_llamacpp_best'), '.2f')}× | {g.get('llamacpp_best') or '–'} |"
         )
-    lines += [*padding_lines(result.get("row_padding", {})), *_llama_lines(result), ""]
-    return "\n".join(lines)
+    return lines
 
 
 def _rate_cell(e: dict | None) -> str:

@@ -385,7 +385,21 @@ def long_seconds(reference) -> float:
 LONG = {"max_tokens": 900, "extra_body": {"ignore_eos": True}, **GREEDY}
 
 
+def cancelled_once(base: str, count: int) -> dict[tuple[str, tuple], float]:
+    """The server's metrics once it has counted `count` cancelled requests; bounded, and
+    by count, not by the clock, so the verdict holds on a slow or loaded machine."""
+    deadline = time.monotonic() + 120
+    while True:
+        values = metric_values(base)
+        if values.get(("specrt:requests_total", (("outcome", "cancelled"),)), 0) >= count:
+            return values
+        assert time.monotonic() < deadline, f"{count} cancelled requests never counted"
+        time.sleep(0.05)
+
+
 def test_clients_that_leave_free_the_engines(bundle, reference, long_seconds):
+    """A request whose client leaves, streaming or not, ends early: counted cancelled with
+    far fewer than its 900 tokens, so it did not run to its end."""
     settings = ServeSettings(bundle=bundle, model_name="tiny")
     with serving(settings, reference) as (base, _):
         api = client(base)
@@ -393,20 +407,18 @@ def test_clients_that_leave_free_the_engines(bundle, reference, long_seconds):
         for _, chunk in zip(range(3), stream, strict=False):
             assert chunk.choices[0].finish_reason is None
         stream.close()  # the client goes away mid-stream
-        start = time.perf_counter()
+        first = cancelled_once(base, 1)["specrt:generation_tokens_total", ()]
+        assert first < 450
         api.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=4, **GREEDY)
-        assert time.perf_counter() - start < long_seconds / 3  # it did not wait for the rest
 
         with pytest.raises(openai.APITimeoutError):  # a plain request whose client gives up
             client(base, timeout=long_seconds / 10).completions.create(
                 model="tiny", prompt=PROMPTS[2], **LONG
             )
-        start = time.perf_counter()
+        values = cancelled_once(base, 2)
+        assert values["specrt:generation_tokens_total", ()] - first - 4 < 450
         api.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=4, **GREEDY)
-        assert time.perf_counter() - start < long_seconds / 3
-        values = metric_values(base)
-    assert values["specrt:requests_total", (("outcome", "cancelled"),)] == 2
-    assert values["specrt:generation_tokens_total", ()] < 900
+        assert metric_values(base)["specrt:requests_total", (("outcome", "cancelled"),)] == 2
 
 
 def test_timeouts(bundle, reference, long_seconds):
@@ -416,9 +428,7 @@ def test_timeouts(bundle, reference, long_seconds):
     settings = ServeSettings(bundle=bundle, model_name="tiny", timeout=limit)
     with serving(settings, reference) as (base, _):
         api = client(base)
-        start = time.perf_counter()
         cut = api.completions.create(model="tiny", prompt=PROMPTS[0], **LONG)
-        assert time.perf_counter() - start < long_seconds / 2
         assert cut.choices[0].finish_reason == "timeout"
         assert 1 <= cut.usage.completion_tokens < 900
         streamed = list(

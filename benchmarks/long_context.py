@@ -22,8 +22,10 @@ course). `--task completion` sends the cut
 source as plain text to continue (code completion, as an editor sends a file) instead of a
 chat question about it; `--task summary` asks for a summary of it, `--task system` sends it as
 a long system prompt with a short question after it (TASKS). `--runs target,fixed:1,fixed:3,
-adaptive` sets the runs side by side (any of target, whole, adaptive, fixed:K; the table then
-gives adaptive against the better of the target alone and the best fixed K). With
+adaptive` sets the runs side by side (any of target, whole, unscouted, adaptive, fixed:K;
+`unscouted` reads the window from the first draft, without the scout of
+`ModelDrafter.start`; the table then gives adaptive against the better of the target alone
+and the best fixed K). With
 `--llama-cpp DIR` (a folder with llama-server, or
 $SPECRT_LLAMA_CPP, or PATH), llama-server gets the same prompt's token ids on the bundle's GGUF
 files, alone and with the draft GGUF, one slot, as many threads, `cache_prompt` off.
@@ -116,6 +118,7 @@ def speculation_row(bundle: str, size: int, task: str, answer: int, runs: list[s
     known = {
         "target": {"speculate": False},
         "whole": {"drafter": make_drafter("model", rt.draft, window=None)},
+        "unscouted": {"drafter": make_drafter("model", rt.draft, scout=False)},
         "adaptive": {},
     }
     for name in ["target", *(r for r in runs if r != "target")]:  # the target pays the prefill
@@ -247,8 +250,10 @@ def _runs_markdown(result: dict) -> str:
     for row in result["rows"]:
         alone = row["target"]
         best = max(
-            row[r]["decode_tokens_per_s"] for r in ["target", *runs] if not r.startswith("a")
-        )  # the target alone and the fixed Ks
+            row[r]["decode_tokens_per_s"]
+            for r in ["target", *runs]
+            if r == "target" or r.startswith("fixed")
+        )
         ratio = row["adaptive"]["decode_tokens_per_s"] / best if "adaptive" in row else None
         same = all(row[r]["tokens"] == alone["tokens"] for r in runs)
         cells = " | ".join(_run_cell(row[r]) for r in runs)

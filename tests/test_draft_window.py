@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from fixed_costs import flat_costs
 
 from specrt.errors import SpecrtError
-from specrt.runtime import SpeculativeRuntime
+from specrt.runtime import SpeculativeRuntime, drafters
 from specrt.runtime.drafters import SINKS, DraftJob, ModelDrafter, draft_together, make_drafter
 from specrt.runtime.sampling import SamplingParams
 from specrt.serve import ServeSettings
@@ -88,3 +89,78 @@ def test_a_window_too_small_is_refused(bundles, runtimes):
     with pytest.raises(SpecrtError, match="--draft-window must be 0"):
         ServeSettings(bundle=bundles["llama"], draft_window=3).check()
     assert runtimes["llama"].draft_window == 512  # the default
+
+
+@pytest.fixture
+def small_scout(monkeypatch):
+    """The scout's sizes scaled to the tiny models' 128-token context: prompts the draft would
+    read more than 16 tokens of are first read as their last 8, until 2 drafts were kept."""
+    monkeypatch.setattr(drafters, "SCOUT", 8)
+    monkeypatch.setattr(drafters, "SCOUT_FROM", 16)
+    monkeypatch.setattr(drafters, "SCOUT_KEPT", 2)
+
+
+def test_a_long_prompt_is_scouted_then_its_window_read(runtimes, small_scout):
+    rt = runtimes["llama"]
+    prompt = [5 + i % 50 for i in range(40)]
+    drafter = ModelDrafter(rt.draft, window=24)
+    drafter.start(prompt, 0, None)
+    assert drafter.offer(prompt, 3).lag == 8  # the scout, not the window
+    seq = list(prompt)
+    for kept in (1, 1):
+        job = DraftJob(drafter, seq, 3, SamplingParams(), np.random.default_rng(0))
+        (proposal,), _ = draft_together([job])
+        if kept == 1 and drafter.kept == 0:
+            scout = prompt[:SINKS] + prompt[-(8 - SINKS) :]
+            assert list(rt.draft.held(0))[:8] == scout
+        drafter.rollback(len(seq) + kept)
+        seq = [*seq, *proposal.tokens[:kept], 7]
+    # Two drafts kept: the cache keeps the sinks, and the next draft reads the window.
+    assert drafter.kept == 2 and list(rt.draft.held(0)) == prompt[:SINKS]
+    assert drafter.offer(seq, 3).lag == 24 - SINKS + len(seq) - len(prompt)
+    job = DraftJob(drafter, seq, 3, SamplingParams(), np.random.default_rng(0))
+    draft_together([job])
+    window = prompt[:SINKS] + prompt[-(24 - SINKS) :]
+    assert list(rt.draft.held(0))[: len(seq) - len(prompt) + 24] == window + seq[len(prompt) :]
+
+
+def test_drafts_that_are_rejected_never_pay_for_the_window(
+    disagree_bundle, small_scout, monkeypatch
+):
+    """The draft that never agrees, after a prompt of 96 tokens: scouting, the draft model
+    never reads more than the scout and what was emitted; control: reading the prompt whole
+    from the first draft (no scout) reads all of it. Greedy output is the target's either way."""
+    rt = SpeculativeRuntime.load(disagree_bundle, threads=1, calibrate=False, draft_window=None)
+    prompt = [3 + (7 * i) % 90 for i in range(96)]
+    alone = rt.generate(prompt, max_new_tokens=24, speculate=False, ignore_eos=True)
+    for scout_from, most in ((16, 8 + 24), (1000, 96 + 24)):
+        monkeypatch.setattr(drafters, "SCOUT_FROM", scout_from)
+        drafter = make_drafter("model", rt.draft, window=None)
+        spec = rt.generate(
+            prompt, max_new_tokens=24, drafter=drafter, controller="fixed:2", ignore_eos=True
+        )
+        assert spec.token_ids == alone.token_ids and spec.stats.accepted == 0
+        assert (drafter.skip > 0) == (scout_from == 16)
+        assert most - 24 < rt.draft.lengths[drafter.slot] <= most, scout_from
+
+
+def test_greedy_output_is_the_target_alone_through_the_scout(
+    agree_bundle, small_scout, monkeypatch
+):
+    """The agreeing draft after an 80-token prompt, widening at its first kept draft (it
+    agrees only where it reads what the target reads, so its scout is mostly rejected): the
+    output is the target's before and after, and once widened its drafts are all kept."""
+    monkeypatch.setattr(drafters, "SCOUT_KEPT", 1)
+    rt = SpeculativeRuntime.load(agree_bundle, threads=1, calibrate=False, draft_window=None)
+    rt.costs = flat_costs()
+    ids = [3 + (7 * i) % 90 for i in range(80)]
+    alone = rt.generate(ids, max_new_tokens=30, speculate=False, ignore_eos=True)
+    for controller in ("fixed:3", "adaptive"):
+        drafter = make_drafter("model", rt.draft, window=None)
+        spec = rt.generate(
+            ids, max_new_tokens=30, drafter=drafter, controller=controller, ignore_eos=True
+        )
+        assert spec.token_ids == alone.token_ids, controller
+        if controller == "fixed:3":
+            assert drafter.skip == 0  # widened: it reads it all, and then agrees
+            assert spec.stats.ks[-4:-1] == [3, 3, 3] and spec.stats.accepted > 10

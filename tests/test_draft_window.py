@@ -94,10 +94,12 @@ def test_a_window_too_small_is_refused(bundles, runtimes):
 @pytest.fixture
 def small_scout(monkeypatch):
     """The scout's sizes scaled to the tiny models' 128-token context: prompts the draft would
-    read more than 16 tokens of are first read as their last 8, until 2 drafts were kept."""
+    read more than 16 tokens of are first read as their last 8, until 2 drafts were kept with
+    8 tokens or more to go."""
     monkeypatch.setattr(drafters, "SCOUT", 8)
     monkeypatch.setattr(drafters, "SCOUT_FROM", 16)
     monkeypatch.setattr(drafters, "SCOUT_KEPT", 2)
+    monkeypatch.setattr(drafters, "SCOUT_ROOM", 8)
 
 
 def test_a_long_prompt_is_scouted_then_its_window_read(runtimes, small_scout):
@@ -115,13 +117,22 @@ def test_a_long_prompt_is_scouted_then_its_window_read(runtimes, small_scout):
             assert list(rt.draft.held(0))[:8] == scout
         drafter.rollback(len(seq) + kept)
         seq = [*seq, *proposal.tokens[:kept], 7]
-    # Two drafts kept: the cache keeps the sinks, and the next draft reads the window.
-    assert drafter.kept == 2 and list(rt.draft.held(0)) == prompt[:SINKS]
-    assert drafter.offer(seq, 3).lag == 24 - SINKS + len(seq) - len(prompt)
+    # Two drafts kept, then a round without drafts: the next draft (a probe) stays a scout.
+    drafter.rollback(len(seq))
+    seq = [*seq, 9]
+    assert drafter.kept == 2 and drafter.streak == 0
+    job = DraftJob(drafter, seq, 1, SamplingParams(), np.random.default_rng(0))
+    draft_together([job])
+    drafter.rollback(len(seq))
+    seq = [*seq, 11]
+    assert drafter.skip == len(prompt) - 8 and drafter.streak == 1
+    # On a drafting course, the next draft reads the window (the sinks kept).
+    assert drafter.offer(seq, 3).lag == 1  # not priced: the scout's own lag
     job = DraftJob(drafter, seq, 3, SamplingParams(), np.random.default_rng(0))
     draft_together([job])
     window = prompt[:SINKS] + prompt[-(24 - SINKS) :]
     assert list(rt.draft.held(0))[: len(seq) - len(prompt) + 24] == window + seq[len(prompt) :]
+    assert drafter.skip == len(prompt) - 24
 
 
 def test_drafts_that_are_rejected_never_pay_for_the_window(

@@ -37,9 +37,9 @@ SINKS = 4  # a windowed draft keeps the prompt's first tokens (see ModelDrafter.
 # 72 % of its drafts accepted, where reading the whole prompt was priced out (K = 0).
 DRAFT_WINDOW = 512
 # A prompt of which the draft model would read more than SCOUT_FROM tokens is first read as its
-# sinks and last tokens, SCOUT in all, until the target has kept SCOUT_KEPT of those drafts:
-# then its whole window (see ModelDrafter.start).
-SCOUT, SCOUT_FROM, SCOUT_KEPT = 32, 256, 8
+# sinks and last tokens, SCOUT in all, until the target has kept SCOUT_KEPT of those drafts
+# with at least SCOUT_ROOM tokens to go: then its whole window (see ModelDrafter.start).
+SCOUT, SCOUT_FROM, SCOUT_KEPT, SCOUT_ROOM = 32, 256, 8, 64
 
 
 @dataclass(frozen=True)
@@ -127,6 +127,7 @@ class ModelDrafter:
         self.skip = 0  # prompt tokens after the first SINKS that the draft model does not read
         self.wide_skip = 0  # ...once it reads its whole window
         self.kept = 0  # drafts of this request the target kept
+        self.streak = 0  # rounds in a row it drafted
         self.drafted_after: int | None = None  # the round's sequence length, if it drafted
         self.model = self
 
@@ -144,7 +145,7 @@ class ModelDrafter:
         within its cache.
 
         A long prompt is first scouted: read as its last SCOUT tokens (sinks included) until
-        the target has kept SCOUT_KEPT of its drafts, then as its whole window (`rollback`).
+        the target has kept SCOUT_KEPT of its drafts, then as its whole window (`feed`).
         Reading a 512-token window costs ~1.4 s on the default pair, paid at the first draft,
         before the request has judged a single one: after a question about a 4,000-token file,
         whose drafts the target mostly rejects, the policy stopped within a few rounds and had
@@ -152,7 +153,7 @@ class ModelDrafter:
         the window, so a request whose drafts are rejected never reads it (its probes neither),
         and the scout's drafts are a cautious guess of the window's (kept after 1,000 tokens:
         a question 0.40 against 0.59, completion 0.66 against 0.63)."""
-        self.slot, self.kept, self.drafted_after = slot, 0, None
+        self.slot, self.kept, self.streak, self.drafted_after = slot, 0, 0, None
         self.wide_skip = max(0, len(prompt) - self.window) if self.window else 0
         scout = self.scout and len(prompt) - self.wide_skip > SCOUT_FROM
         self.skip = len(prompt) - SCOUT if scout else self.wide_skip
@@ -169,19 +170,30 @@ class ModelDrafter:
     def offer(self, seq: Sequence[int], limit: int) -> Offer:
         return Offer("model", limit, len(seq) - self.skip - self.engine.lengths[self.slot])
 
+    def feed(self, seq: Sequence[int], room: int | None = None) -> Sequence[int]:
+        """What the draft model reads before this round's first step. A scout widens to its
+        window here, at a draft of a drafting course (the last round drafted too) once
+        SCOUT_KEPT of its drafts were kept with SCOUT_ROOM tokens or more to go: the policy
+        has seen its drafts pay, and the catch-up is not priced. Offered as a catch-up to
+        price, it was priced against the answer left and stopped drafting that paid (a long
+        system prompt: 0.95x where reading the window from the first draft gave 1.13x), and a
+        lone probe never pays for the window. room: the tokens the request may still emit
+        (None: no bound)."""
+        ahead = room is None or room >= SCOUT_ROOM
+        widen = self.kept >= SCOUT_KEPT and self.streak and ahead
+        if self.skip > self.wide_skip and widen:
+            self.skip = self.wide_skip
+            self.engine.rollback(min(self.engine.lengths[self.slot], SINKS), self.slot)
+        self.drafted_after = len(seq)
+        return self.unread(seq)
+
     def rollback(self, length: int) -> None:
-        """Keep the draft's cache to the request's first `length` tokens; a scout whose drafts
-        were kept SCOUT_KEPT times widens to its window, keeping the sinks (the next draft
-        catches up on the rest, and the policy prices that catch-up)."""
-        if self.drafted_after is not None:
+        drafted = self.drafted_after is not None
+        if drafted:
             self.kept += max(0, length - self.drafted_after)
             self.drafted_after = None
-        held = self.engine.lengths[self.slot]
-        if self.skip > self.wide_skip and self.kept >= SCOUT_KEPT:
-            self.skip = self.wide_skip
-            self.engine.rollback(min(held, SINKS), self.slot)
-        else:
-            self.engine.rollback(min(held, length - self.skip), self.slot)
+        self.streak = self.streak + 1 if drafted else 0
+        self.engine.rollback(min(self.engine.lengths[self.slot], length - self.skip), self.slot)
 
 
 @dataclass
@@ -229,12 +241,10 @@ def draft_together(jobs: Sequence[DraftJob]) -> tuple[list[Proposal], Steps]:
         if job.constraints is not None:
             job.constraints.advance(job.prefix)
     feeds = {
-        i: [min(token, last) for token in [*job.drafter.unread(job.seq), *job.prefix]]
+        i: [min(token, last) for token in [*job.drafter.feed(job.seq, job.room), *job.prefix]]
         for i, job in enumerate(jobs)
         if job.k
     }
-    for i in feeds:
-        jobs[i].drafter.drafted_after = len(jobs[i].seq)  # its scout counts what is kept
     steps: Steps = []
     for i, feed in feeds.items():
         if ahead := catch_up_tokens(len(feed)):

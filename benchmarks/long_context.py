@@ -16,7 +16,9 @@ prompt cache off). Each row runs in a process of its own, so its peak RSS
 whose draft model reads the prompt's last 512 tokens (the default `--draft-window`) and with one
 that reads it whole. The target alone pays the prefill (its first token is the row's); the
 speculating runs start from the target's prefix in its slot (the prompt cache), so each pays
-only its own decode, the draft model's catch-up included, and each starts from the costs
+only its own decode, the draft model's catch-up included (the draft's slot is emptied
+before each run: a run that found the last one's window there read it for free, and the
+order of the runs set who paid), and each starts from the costs
 calibrated at load and no acceptance seen (a run's rounds would otherwise set the next one's
 course). `--task completion` sends the cut
 source as plain text to continue (code completion, as an editor sends a file) instead of a
@@ -124,6 +126,8 @@ def speculation_row(bundle: str, size: int, task: str, answer: int, runs: list[s
     for name in ["target", *(r for r in runs if r != "target")]:  # the target pays the prefill
         options = known.get(name) or {"controller": name}
         rt.costs, rt.acceptance = copy.deepcopy(calibrated), PooledAcceptance()
+        for slot in range(rt.draft.slots if rt.draft else 0):  # each run pays its own
+            rt.draft.rollback(0, slot)  # draft model's reading
         result = rt.generate(prompt, max_new_tokens=answer, ignore_eos=True, **options)
         s = result.stats
         row["prompt_tokens"] = s.prompt_tokens

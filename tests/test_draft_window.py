@@ -94,45 +94,45 @@ def test_a_window_too_small_is_refused(bundles, runtimes):
 @pytest.fixture
 def small_scout(monkeypatch):
     """The scout's sizes scaled to the tiny models' 128-token context: prompts the draft would
-    read more than 16 tokens of are first read as their last 8, until 2 drafts were kept with
-    8 tokens or more to go."""
+    read more than 16 tokens of are first read as their last 8, until 2 drafts were kept."""
     monkeypatch.setattr(drafters, "SCOUT", 8)
     monkeypatch.setattr(drafters, "SCOUT_FROM", 16)
     monkeypatch.setattr(drafters, "SCOUT_KEPT", 2)
-    monkeypatch.setattr(drafters, "SCOUT_ROOM", 8)
 
 
-def test_a_long_prompt_is_scouted_then_its_window_read(runtimes, small_scout):
-    rt = runtimes["llama"]
-    prompt = [5 + i % 50 for i in range(40)]
+def _scouted(rt, prompt: list[int]) -> tuple[ModelDrafter, list[int]]:
+    """A drafter over a 40-token prompt (window 24) after two rounds of one kept draft each."""
     drafter = ModelDrafter(rt.draft, window=24)
     drafter.start(prompt, 0, None)
     assert drafter.offer(prompt, 3).lag == 8  # the scout, not the window
     seq = list(prompt)
-    for kept in (1, 1):
+    for _ in range(2):
         job = DraftJob(drafter, seq, 3, SamplingParams(), np.random.default_rng(0))
         (proposal,), _ = draft_together([job])
-        if kept == 1 and drafter.kept == 0:
-            scout = prompt[:SINKS] + prompt[-(8 - SINKS) :]
-            assert list(rt.draft.held(0))[:8] == scout
-        drafter.rollback(len(seq) + kept)
-        seq = [*seq, *proposal.tokens[:kept], 7]
-    # Two drafts kept, then a round without drafts: the next draft (a probe) stays a scout.
-    drafter.rollback(len(seq))
-    seq = [*seq, 9]
-    assert drafter.kept == 2 and drafter.streak == 0
-    job = DraftJob(drafter, seq, 1, SamplingParams(), np.random.default_rng(0))
-    draft_together([job])
-    drafter.rollback(len(seq))
-    seq = [*seq, 11]
-    assert drafter.skip == len(prompt) - 8 and drafter.streak == 1
-    # On a drafting course, the next draft reads the window (the sinks kept).
-    assert drafter.offer(seq, 3).lag == 1  # not priced: the scout's own lag
+        assert list(rt.draft.held(0))[:8] == prompt[:SINKS] + prompt[-(8 - SINKS) :]
+        drafter.rollback(len(seq) + 1)
+        seq = [*seq, proposal.tokens[0], 7]
+    return drafter, seq
+
+
+def test_a_long_prompt_is_scouted_then_its_window_offered(runtimes, small_scout):
+    rt = runtimes["llama"]
+    prompt = [5 + i % 50 for i in range(40)]
+    drafter, seq = _scouted(rt, prompt)
+    # Two drafts kept: the offer is to read the window (its catch-up priced as a lag).
+    assert drafter.kept == 2
+    assert drafter.offer(seq, 3).lag == 24 - SINKS + len(seq) - len(prompt)
     job = DraftJob(drafter, seq, 3, SamplingParams(), np.random.default_rng(0))
     draft_together([job])
     window = prompt[:SINKS] + prompt[-(24 - SINKS) :]
     assert list(rt.draft.held(0))[: len(seq) - len(prompt) + 24] == window + seq[len(prompt) :]
     assert drafter.skip == len(prompt) - 24
+    # Declined (a round without drafts at that offer): it stays a scout, and drafts cheaply.
+    drafter, seq = _scouted(rt, prompt)
+    assert drafter.offer(seq, 3).lag > 20
+    drafter.rollback(len(seq))
+    seq = [*seq, 9]
+    assert drafter.offer(seq, 3).lag == 2 and drafter.skip == len(prompt) - 8
 
 
 def test_drafts_that_are_rejected_never_pay_for_the_window(

@@ -37,9 +37,9 @@ SINKS = 4  # a windowed draft keeps the prompt's first tokens (see ModelDrafter.
 # 72 % of its drafts accepted, where reading the whole prompt was priced out (K = 0).
 DRAFT_WINDOW = 512
 # A prompt of which the draft model would read more than SCOUT_FROM tokens is first read as its
-# sinks and last tokens, SCOUT in all, until the target has kept SCOUT_KEPT of those drafts
-# with at least SCOUT_ROOM tokens to go: then its whole window (see ModelDrafter.start).
-SCOUT, SCOUT_FROM, SCOUT_KEPT, SCOUT_ROOM = 32, 256, 8, 64
+# sinks and last tokens, SCOUT in all; once the target has kept SCOUT_KEPT of those drafts, the
+# whole window is offered (see ModelDrafter.start).
+SCOUT, SCOUT_FROM, SCOUT_KEPT = 32, 256, 8
 
 
 @dataclass(frozen=True)
@@ -127,8 +127,8 @@ class ModelDrafter:
         self.skip = 0  # prompt tokens after the first SINKS that the draft model does not read
         self.wide_skip = 0  # ...once it reads its whole window
         self.kept = 0  # drafts of this request the target kept
-        self.streak = 0  # rounds in a row it drafted
         self.drafted_after: int | None = None  # the round's sequence length, if it drafted
+        self.offered_wide = False  # this round's offer was to read the window
         self.model = self
 
     def start(self, prompt: Sequence[int], slot: int, cache: PromptCache | None) -> None:
@@ -144,16 +144,17 @@ class ModelDrafter:
         sequence's: the window follows the sinks at once, as StreamingLLM numbers positions
         within its cache.
 
-        A long prompt is first scouted: read as its last SCOUT tokens (sinks included) until
-        the target has kept SCOUT_KEPT of its drafts, then as its whole window (`feed`).
-        Reading a 512-token window costs ~1.4 s on the default pair, paid at the first draft,
-        before the request has judged a single one: after a question about a 4,000-token file,
-        whose drafts the target mostly rejects, the policy stopped within a few rounds and had
-        paid that for nothing (0.93x the target alone). Drafts that are kept are what pays for
-        the window, so a request whose drafts are rejected never reads it (its probes neither),
-        and the scout's drafts are a cautious guess of the window's (kept after 1,000 tokens:
-        a question 0.40 against 0.59, completion 0.66 against 0.63)."""
-        self.slot, self.kept, self.streak, self.drafted_after = slot, 0, 0, None
+        A long prompt is first scouted: read as its last SCOUT tokens (sinks included). Reading
+        a 512-token window costs 1.4-2.2 s on the default pair, paid at the first draft before
+        the request had a draft judged: after a summary of a 4,000-token file, whose drafts the
+        target mostly rejects, the policy stopped within a few rounds and had paid that for
+        nothing (0.89-0.94x the target alone). Once the target has kept SCOUT_KEPT of the
+        scout's drafts, the next offer is to read the window, its catch-up priced against the
+        answer left; a policy that does not draft at that offer has declined it, and the scout
+        stays the window for the rest of the request (`rollback`). The scout's drafts are a
+        cautious guess of the window's (kept after 1,000 tokens: a question 0.40 against 0.57,
+        completion 0.66 against 0.63)."""
+        self.slot, self.kept, self.drafted_after, self.offered_wide = slot, 0, None, False
         self.wide_skip = max(0, len(prompt) - self.window) if self.window else 0
         scout = self.scout and len(prompt) - self.wide_skip > SCOUT_FROM
         self.skip = len(prompt) - SCOUT if scout else self.wide_skip
@@ -168,31 +169,31 @@ class ModelDrafter:
         return [*seq[held:SINKS], *seq[SINKS + self.skip :]]
 
     def offer(self, seq: Sequence[int], limit: int) -> Offer:
-        return Offer("model", limit, len(seq) - self.skip - self.engine.lengths[self.slot])
+        self.offered_wide = self.skip > self.wide_skip and self.kept >= SCOUT_KEPT
+        if self.offered_wide:  # after the sinks, the window and what followed it
+            lag = len(seq) - self.wide_skip - min(self.engine.lengths[self.slot], SINKS)
+        else:
+            lag = len(seq) - self.skip - self.engine.lengths[self.slot]
+        return Offer("model", limit, lag)
 
-    def feed(self, seq: Sequence[int], room: int | None = None) -> Sequence[int]:
-        """What the draft model reads before this round's first step. A scout widens to its
-        window here, at a draft of a drafting course (the last round drafted too) once
-        SCOUT_KEPT of its drafts were kept with SCOUT_ROOM tokens or more to go: the policy
-        has seen its drafts pay, and the catch-up is not priced. Offered as a catch-up to
-        price, it was priced against the answer left and stopped drafting that paid (a long
-        system prompt: 0.95x where reading the window from the first draft gave 1.13x), and a
-        lone probe never pays for the window. room: the tokens the request may still emit
-        (None: no bound)."""
-        ahead = room is None or room >= SCOUT_ROOM
-        widen = self.kept >= SCOUT_KEPT and self.streak and ahead
-        if self.skip > self.wide_skip and widen:
+    def feed(self, seq: Sequence[int]) -> Sequence[int]:
+        """What the draft model reads before this round's first step: a scout whose offer
+        was to read its window starts reading it here (its sinks kept)."""
+        if self.offered_wide:
             self.skip = self.wide_skip
             self.engine.rollback(min(self.engine.lengths[self.slot], SINKS), self.slot)
         self.drafted_after = len(seq)
         return self.unread(seq)
 
     def rollback(self, length: int) -> None:
-        drafted = self.drafted_after is not None
-        if drafted:
+        """Keep the draft's cache to the request's first `length` tokens, count the drafts
+        kept, and where the window was offered and not drafted, stay a scout."""
+        if self.drafted_after is not None:
             self.kept += max(0, length - self.drafted_after)
             self.drafted_after = None
-        self.streak = self.streak + 1 if drafted else 0
+        elif self.offered_wide:
+            self.wide_skip = self.skip
+        self.offered_wide = False
         self.engine.rollback(min(self.engine.lengths[self.slot], length - self.skip), self.slot)
 
 
@@ -241,7 +242,7 @@ def draft_together(jobs: Sequence[DraftJob]) -> tuple[list[Proposal], Steps]:
         if job.constraints is not None:
             job.constraints.advance(job.prefix)
     feeds = {
-        i: [min(token, last) for token in [*job.drafter.feed(job.seq, job.room), *job.prefix]]
+        i: [min(token, last) for token in [*job.drafter.feed(job.seq), *job.prefix]]
         for i, job in enumerate(jobs)
         if job.k
     }

@@ -126,8 +126,8 @@ def speculation_row(bundle: str, size: int, task: str, answer: int, runs: list[s
     for name in ["target", *(r for r in runs if r != "target")]:  # the target pays the prefill
         options = known.get(name) or {"controller": name}
         rt.costs, rt.acceptance = copy.deepcopy(calibrated), PooledAcceptance()
-        for slot in range(rt.draft.slots if rt.draft else 0):  # each run pays its own
-            rt.draft.rollback(0, slot)  # draft model's reading
+        for slot in range(rt.draft.slots):  # each run pays its own draft model's reading
+            rt.draft.reset(slot)
         result = rt.generate(prompt, max_new_tokens=answer, ignore_eos=True, **options)
         s = result.stats
         row["prompt_tokens"] = s.prompt_tokens

@@ -94,10 +94,12 @@ def test_a_window_too_small_is_refused(bundles, runtimes):
 @pytest.fixture
 def small_scout(monkeypatch):
     """The scout's sizes scaled to the tiny models' 128-token context: prompts the draft would
-    read more than 16 tokens of are first read as their last 8, until 2 drafts were kept."""
+    read more than 16 tokens of are first read as their last 8, until 2 drafts were kept, and
+    the window is offered while the answer left is a quarter of what it must read."""
     monkeypatch.setattr(drafters, "SCOUT", 8)
     monkeypatch.setattr(drafters, "SCOUT_FROM", 16)
     monkeypatch.setattr(drafters, "SCOUT_KEPT", 2)
+    monkeypatch.setattr(drafters, "WIDEN_LEFT", 0.25)
 
 
 def _scouted(rt, prompt: list[int]) -> tuple[ModelDrafter, list[int]]:
@@ -119,9 +121,12 @@ def test_a_long_prompt_is_scouted_then_its_window_offered(runtimes, small_scout)
     rt = runtimes["llama"]
     prompt = [5 + i % 50 for i in range(40)]
     drafter, seq = _scouted(rt, prompt)
-    # Two drafts kept: the offer is to read the window (its catch-up priced as a lag).
+    # Two drafts kept: the offer is to read the window (its catch-up priced as a lag), where
+    # the answer left is at least a quarter of that lag; nearer the end, it drafts on scouting.
     assert drafter.kept == 2
-    assert drafter.offer(seq, 3).lag == 24 - SINKS + len(seq) - len(prompt)
+    lag = 24 - SINKS + len(seq) - len(prompt)
+    assert drafter.offer(seq, lag // 4 - 1).lag == 1 and not drafter.offered_wide
+    assert drafter.offer(seq, lag // 4).lag == lag
     job = DraftJob(drafter, seq, 3, SamplingParams(), np.random.default_rng(0))
     draft_together([job])
     window = prompt[:SINKS] + prompt[-(24 - SINKS) :]
@@ -129,7 +134,7 @@ def test_a_long_prompt_is_scouted_then_its_window_offered(runtimes, small_scout)
     assert drafter.skip == len(prompt) - 24
     # Declined (a round without drafts at that offer): it stays a scout, and drafts cheaply.
     drafter, seq = _scouted(rt, prompt)
-    assert drafter.offer(seq, 3).lag > 20
+    assert drafter.offer(seq, 8).lag > 20
     drafter.rollback(len(seq))
     seq = [*seq, 9]
     assert drafter.offer(seq, 3).lag == 2 and drafter.skip == len(prompt) - 8
@@ -158,10 +163,12 @@ def test_drafts_that_are_rejected_never_pay_for_the_window(
 def test_greedy_output_is_the_target_alone_through_the_scout(
     agree_bundle, small_scout, monkeypatch
 ):
-    """The agreeing draft after an 80-token prompt, widening at its first kept draft (it
-    agrees only where it reads what the target reads, so its scout is mostly rejected): the
-    output is the target's before and after, and once widened its drafts are all kept."""
+    """The agreeing draft after an 80-token prompt, widening at its first kept draft however
+    short the answer left (it agrees only where it reads what the target reads, so its scout
+    is mostly rejected): the output is the target's before and after, and once widened its
+    drafts are all kept."""
     monkeypatch.setattr(drafters, "SCOUT_KEPT", 1)
+    monkeypatch.setattr(drafters, "WIDEN_LEFT", 0.0)
     rt = SpeculativeRuntime.load(agree_bundle, threads=1, calibrate=False, draft_window=None)
     rt.costs = flat_costs()
     ids = [3 + (7 * i) % 90 for i in range(80)]

@@ -34,6 +34,7 @@ PROBE_COST = 1.1  # ...in a batch, if the wider call costs at most this much mor
 PROBE_SHARE = 0.03  # alone, if its extra cost is at most this share of the rounds it waited
 DOUBT_Z, DOUBT_AFTER = 1.0, 4.0  # own drafts bound acceptance (84 %, Wilson) once 4 are judged
 SWITCH_GAIN = 1.05  # a batch starts or stops the model's drafts only for this much more tok/s
+K_MARGIN = 0.03  # options priced within this share of the best are equal: the fewest drafts win
 REFRESH_MARGIN = 1.15  # a stale call (costs.STALE_AFTER) is re-timed if it prices this close
 WARM_UP_K = 4  # drafts a round takes while a source cannot be priced yet
 
@@ -138,16 +139,11 @@ class Adaptive:
     def alpha(self, source: str = "model") -> float:
         """Acceptance per drafted token: the geometric MLE over this request's recent (decayed)
         drafts and `pool_weight` drafts at its runtime's pooled acceptance (the fixed prior
-        until the pool is warm, or without one). The pool's share never fades: a request's
-        last ~20 drafts are a small sample, and the best K priced from them alone followed
-        lucky streaks into long rounds and single rejections down to K = 0. At 2 clients on the
-        gguf target that ran at 0.91x the best fixed K (its K jumped 1..8 round by round, and
-        requests whose first drafts were rejected never drafted again); shrunk toward the pool,
-        1.00x in the same benchmark (replayed, `specrt.tools.replay`: 0.97x where it was 0.93x).
-
-        It never exceeds what the request's own drafts allow (`ceiling`): unlike the runtime's
-        others, a request whose drafts were all rejected drafted 39 rounds at a loss while the
-        pool's share held its estimate up (replayed at a pool of 0.9)."""
+        until the pool is warm, or without one). The pool's share never fades: priced from a
+        request's last ~20 drafts alone, K followed lucky streaks up and single rejections down
+        to K = 0 (2 clients, gguf target: 0.91x the best fixed K; shrunk, 1.00x). It never
+        exceeds what the request's own drafts allow (`ceiling`): a request whose drafts were all
+        rejected drafted 39 rounds at a loss while the pool's share held it up (replayed)."""
         accepted, rejected = self.counts.get(source, (0.0, 0.0))
         weight = self.pool_weight
         shrunk = (accepted + weight * self._base(source)) / (accepted + rejected + weight)
@@ -177,13 +173,21 @@ class Adaptive:
 
     def cap(self, ctx: RoundContext) -> tuple[int, str]:
         """The most drafts this request takes this round, and why it is lower than its source's
-        ceiling."""
+        ceiling. After a long prompt, its model drafts start at one and grow by the drafts kept
+        until its own bound its acceptance (`ceiling`): the pool's acceptance, learnt on other
+        prompts, says little of a request there (a question about a file 0.40, its completion
+        0.66): after a question on 4,000 tokens, adaptive drafted its first five rounds at K = 3
+        on that guess, and ran at 0.87x fixed K = 1."""
         bound = self.k_model if ctx.source == "model" else self.k_free
         cap = min(bound, ctx.room)
-        if ctx.position > self.long_context:
-            cap = min(cap, max(self.k_min, bound // 2))
-            return cap, f"long context caps K at {cap}; "
-        return cap, ""
+        if ctx.position <= self.long_context:
+            return cap, ""
+        cap = min(cap, max(self.k_min, bound // 2))
+        accepted, rejected = self.counts.get(ctx.source, (0.0, 0.0))
+        if ctx.source == "model" and accepted + rejected < DOUBT_AFTER:
+            cap = min(cap, max(self.k_min, 1 + round(accepted)))
+            return cap, f"long context, own drafts unknown: K at most {cap}; "
+        return cap, f"long context caps K at {cap}; "
 
     def decide(self, ctx: RoundContext) -> Decision:
         return decide_together([self], [ctx], self.costs)[0]
@@ -303,12 +307,11 @@ def _priced(policies, contexts, capped, costs: StepCosts, others) -> list[Decisi
 def _probed(policies, contexts, caps, ks, reasons, costs: StepCosts, batch, price) -> list:
     """The decisions, one request probing acceptance (K = 1) after PROBE_AFTER rounds without
     drafts where that is cheap; an accepted probe lets the request price its drafts afresh
-    (`Adaptive.observe`). A probe
-    widens the whole call to 2 tokens a row and may first catch the draft model up on every
-    token since it last drafted. In a batch everyone waits for both, so a probe goes ahead only
-    where the round stays within PROBE_COST of its price, one request per round; alone, a
-    request delays only itself: its probe's extra cost, spread over the rounds it waited, must
-    stay under PROBE_SHARE of a round. (Held to PROBE_COST alone too, a request on a verify
+    (`Adaptive.observe`). A probe widens the whole call to 2 tokens a row and may first catch
+    the draft model up on every token since it last drafted. In a batch everyone waits for
+    both, so a probe goes ahead only where the round stays within PROBE_COST of its price, one
+    request per round; alone, a request delays only itself: its probe's extra cost, spread
+    over the rounds it waited, must stay under PROBE_SHARE of a round. (Held to PROBE_COST alone too, a request on a verify
     curve 12 % wider at 2 tokens never probed, and never drafted again once it had stopped.)"""
     wider = costs.verify_cost(batch * max(2, max(ks) + 1))
     probed = False
@@ -328,7 +331,7 @@ def _probed(policies, contexts, caps, ks, reasons, costs: StepCosts, batch, pric
 
 
 def _keep_course(options: list[tuple], sources: Sequence[str], drafting: bool) -> tuple:
-    """The best priced option (rate, draft, verify, ks; the first of equals), unless it starts
+    """The best priced option (rate, draft, verify, ks; see `_best`), unless it starts
     or stops the model's drafts for less than SWITCH_GAIN over the best option that does not.
     Where drafting and the target alone price within noise of each other, the choice flipped
     round by round, and every return to drafting first fed the draft model all it had missed:
@@ -362,7 +365,14 @@ def _refresh(options: list[tuple], chosen: tuple, sources: Sequence[str], others
 
 
 def _best(options: list[tuple]) -> tuple:
-    return max(options, key=lambda option: option[0])
+    """The option with the fewest drafts of those priced within K_MARGIN of the best. A price
+    errs more the more a round drafts (each step's seconds; an acceptance's error compounds in
+    alpha^K), so the best of near-equal prices is mostly the most flattered: at 2 clients the
+    policy took K = 3 on a 3 % edge where it realised 55-59 ms a token against K = 1's 53.5
+    (0.93-0.96x the best fixed K)."""
+    top = max(option[0] for option in options)
+    near = [option for option in options if (1 + K_MARGIN) * option[0] >= top]
+    return min(near, key=lambda option: (sum(option[3]), -option[0]))
 
 
 def _model_drafts(option: tuple, sources: Sequence[str]) -> bool:

@@ -23,6 +23,16 @@ from specrt.runtime import SpeculativeRuntime
 from specrt.serve import ServeSettings, create_app
 
 
+def until(ready, timeout: float, message: str, every: float = 0.05):
+    """What `ready()` returns once it is truthy, polled every `every` seconds; fails with
+    `message` after `timeout`. A test's waits end on a state, and are bounded."""
+    deadline = time.monotonic() + timeout
+    while not (value := ready()):
+        assert time.monotonic() < deadline, message
+        time.sleep(every)
+    return value
+
+
 def free_port() -> int:
     """A loopback port nobody listens on now (for servers that bind it themselves)."""
     with socket.socket() as probe:
@@ -40,10 +50,8 @@ def serving(settings: ServeSettings, runtime: SpeculativeRuntime | None = None, 
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.01)
+    until(lambda: server.started or not thread.is_alive(), 60, "the server did not start", 0.01)
+    assert server.started, "the server's thread ended before it started"
     try:
         yield f"http://127.0.0.1:{port}", app
     finally:
@@ -70,16 +78,14 @@ class CliServer:
         )
 
     def wait_healthy(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            assert self.process.poll() is None, self.output()
-            try:
-                if http(f"{self.base}/health")[0] == 200:
-                    return
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "specrt serve did not become healthy"
-            time.sleep(0.2)
+        until(self._healthy, timeout, "specrt serve did not become healthy", 0.2)
+
+    def _healthy(self) -> bool:
+        assert self.process.poll() is None, self.output()
+        try:
+            return http(f"{self.base}/health")[0] == 200
+        except OSError:
+            return False
 
     def output(self) -> str:
         self._log.seek(0)

@@ -148,8 +148,7 @@ def test_of_rounds_priced_alike_the_one_drafting_less_is_taken():
     for alpha, most, taken in ((0.8, 5, 4), (0.95, 8, 8)):
         policy = _policy_with(flat, alpha)
         rates = [
-            price_round([k], [alpha], ["model"], [(0, 256)], (), policy.costs)[0]
-            for k in range(9)
+            price_round([k], [alpha], ["model"], [(0, 256)], (), policy.costs)[0] for k in range(9)
         ]
         assert max(range(9), key=rates.__getitem__) == most  # the control
         assert (1 + K_MARGIN) * rates[taken] >= rates[most]
@@ -276,6 +275,27 @@ def test_a_new_request_starts_from_the_acceptance_its_runtime_has_seen():
     alone = Adaptive(costs=costs, prior_alpha=0.7, pool=PooledAcceptance())
     assert "warming up" not in alone.decide(RoundContext(8, 100, 256)).reason  # alone, probes learn
     assert make_controller("adaptive", 8, costs, pool=pool).pool is pool
+
+
+def test_a_request_is_shrunk_toward_the_other_requests_not_itself():
+    """Alone in its runtime, a request's base is the prior, not the pool of its own drafts:
+    once an accepted probe drops its old drafts (the text moved on), it starts again from 0.7,
+    where counted twice its opening's rejections held it at 0 (the control: the pool with its
+    share). Another request reads those drafts; a share faded to nothing is forgotten."""
+    pool = PooledAcceptance()
+    policy = Adaptive(costs=gguf_costs(), pool=pool)
+    for _ in range(10):
+        policy.observe(1, 0)
+    assert pool.warm("model") and pool.alpha("model") == 0.0  # the control
+    assert not pool.warm("model", policy.member) and pool.alpha("model", policy.member) is None
+    policy.counts.clear()  # as an accepted probe does
+    assert policy.alpha() == pytest.approx(policy.prior_alpha)
+    other = Adaptive(costs=gguf_costs(), pool=pool)
+    assert other.learning("model") is False and other.alpha() == 0.0
+    for _ in range(800):
+        other.observe(1, 1)
+    assert (policy.member, "model") not in pool.shares
+    assert policy.alpha() > 0.99  # the other request's drafts, all kept
 
 
 def test_one_rejected_draft_does_not_end_a_requests_drafting():

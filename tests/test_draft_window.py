@@ -125,7 +125,7 @@ def test_a_long_prompt_is_scouted_then_its_window_offered(runtimes, small_scout)
     # the answer left is at least a quarter of that lag; nearer the end, it drafts on scouting.
     assert drafter.kept == 2
     lag = 24 - SINKS + len(seq) - len(prompt)
-    assert drafter.offer(seq, lag // 4 - 1).lag == 1 and not drafter.offered_wide
+    assert drafter.offer(seq, lag // 4 - 1).lag == 1 and drafter.offered is None
     assert drafter.offer(seq, lag // 4).lag == lag
     job = DraftJob(drafter, seq, 3, SamplingParams(), np.random.default_rng(0))
     draft_together([job])
@@ -138,6 +138,35 @@ def test_a_long_prompt_is_scouted_then_its_window_offered(runtimes, small_scout)
     drafter.rollback(len(seq))
     seq = [*seq, 9]
     assert drafter.offer(seq, 3).lag == 2 and drafter.skip == len(prompt) - 8
+
+
+def test_a_draft_far_behind_reads_a_new_scout(runtimes, small_scout):
+    """After rounds without drafts, a long prompt's draft model more than SCOUT tokens behind
+    reads the sequence's end afresh (sinks kept) instead of all it missed; declined, it stays
+    as it was. Control: a short prompt's draft catches up on everything."""
+    rt = runtimes["llama"]
+    for prompt, scouted in (([5 + i % 50 for i in range(40)], True), ([5, 6, 7, 8, 9, 10], False)):
+        drafter = ModelDrafter(rt.draft, window=24)
+        drafter.start(prompt, 0, None)
+        seq = list(prompt)
+        draft_together([DraftJob(drafter, seq, 1, SamplingParams(), np.random.default_rng(0))])
+        drafter.rollback(len(seq))
+        for token in range(12):  # rounds at K = 0
+            drafter.offer(seq, 30)
+            seq.append(20 + token)
+            drafter.rollback(len(seq))
+        behind = len(seq) - drafter.skip - rt.draft.lengths[0]
+        assert behind == 12
+        assert drafter.offer(seq, 30).lag == (8 - SINKS if scouted else behind)
+        if scouted:
+            drafter.rollback(len(seq))  # declined: nothing moves
+            assert drafter.offer(seq, 30).lag == 8 - SINKS
+        draft_together([DraftJob(drafter, seq, 1, SamplingParams(), np.random.default_rng(0))])
+        held = list(rt.draft.held(0))
+        if scouted:
+            assert held[:8] == seq[:SINKS] + seq[-(8 - SINKS) :]
+        else:
+            assert held[: len(seq)] == seq
 
 
 def test_drafts_that_are_rejected_never_pay_for_the_window(

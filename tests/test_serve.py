@@ -15,7 +15,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from servers import CliServer, client, http, metric_values, serving, wait_healthy
+from servers import CliServer, client, http, metric_values, serving, until, wait_healthy
 
 from specrt.exporter.build import build_bundle
 from specrt.runtime import SpeculativeRuntime
@@ -388,13 +388,13 @@ LONG = {"max_tokens": 900, "extra_body": {"ignore_eos": True}, **GREEDY}
 def cancelled_once(base: str, count: int) -> dict[tuple[str, tuple], float]:
     """The server's metrics once it has counted `count` cancelled requests; bounded, and
     by count, not by the clock, so the verdict holds on a slow or loaded machine."""
-    deadline = time.monotonic() + 120
-    while True:
+    cancelled = ("specrt:requests_total", (("outcome", "cancelled"),))
+
+    def counted():
         values = metric_values(base)
-        if values.get(("specrt:requests_total", (("outcome", "cancelled"),)), 0) >= count:
-            return values
-        assert time.monotonic() < deadline, f"{count} cancelled requests never counted"
-        time.sleep(0.05)
+        return values if values.get(cancelled, 0) >= count else None
+
+    return until(counted, 120, f"{count} cancelled requests never counted")
 
 
 def test_clients_that_leave_free_the_engines(bundle, reference, long_seconds):
@@ -468,11 +468,12 @@ def test_health_reports_a_bundle_that_cannot_load(bundle, tmp_path):
     shutil.copytree(bundle, broken)
     (broken / "target" / "tokenizer.json").write_text("{}")
     with serving(ServeSettings(bundle=broken)) as (base, _):
-        deadline = time.monotonic() + 60
-        while (reply := http(f"{base}/health"))[1]["status"] == "loading":
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        status, body = reply
+
+        def loaded():
+            reply = http(f"{base}/health")
+            return reply if reply[1]["status"] != "loading" else None
+
+        status, body = until(loaded, 60, "the broken bundle was still loading")
         assert status == 503 and body["status"] == "error"
         assert "does not match its recorded sha256" in body["detail"]
         status, body = http(f"{base}/v1/completions", b'{"prompt": "x"}')

@@ -7,9 +7,10 @@ choice is explainable in the stats.
 The adaptive policy maximises expected tokens per second for the whole batch. With per-token
 acceptance α, a request drafting K tokens emits E = (1 - α^(K+1)) / (1 - α) tokens a round; a
 round of B requests costs the draft steps for the rows that draft plus one verify call of
-B·(K+1) rows. α is each request's recent drafts, shrunk toward what its runtime's requests
-accepted (`PooledAcceptance`), while both cost curves come from `StepCosts`, measured on this
-machine and shared across requests (costs belong to the machine, acceptance to the request).
+B·(K+1) rows. α is each request's recent drafts, shrunk toward what its runtime's other
+requests accepted (`PooledAcceptance`), while both cost curves come from `StepCosts`, measured
+on this machine and shared across requests (costs belong to the machine, acceptance to the
+request).
 K = 0 (the target alone) is a choice like any other: as the batch grows, the verify call turns
 compute-bound and extra rows stop being free (SmartSpec, Liu et al. 2024, picks K from 0 per
 round the same way). At batch 1 this is the single-stream policy. The arithmetic of a round's
@@ -135,6 +136,10 @@ class Adaptive:
     last_k: int | None = field(init=False, default=None)  # drafts of its last round
     probing: bool = field(init=False, default=False)  # its last decision was a probe
     refreshing: bool = field(init=False, default=False)  # ...or re-timed the call without drafts
+    member: int | None = field(init=False, default=None)  # its key in the pool
+
+    def __post_init__(self) -> None:
+        self.member = self.pool.member() if self.pool is not None else None
 
     def alpha(self, source: str = "model") -> float:
         """Acceptance per drafted token: the geometric MLE over this request's recent (decayed)
@@ -163,13 +168,13 @@ class Adaptive:
         return float(min(1.0, (p + z2 / (2 * n) + spread) / (1 + z2 / n)))
 
     def _base(self, source: str) -> float:
-        if self.pool is not None and self.pool.warm(source):
-            return self.pool.alpha(source)
+        if self.pool is not None and self.pool.warm(source, self.member):
+            return self.pool.alpha(source, self.member)
         return self.prior_alpha
 
     def learning(self, source: str) -> bool:
         """Whether its runtime's pool has yet to learn this source's acceptance."""
-        return self.pool is not None and not self.pool.warm(source)
+        return self.pool is not None and not self.pool.warm(source, self.member)
 
     def cap(self, ctx: RoundContext) -> tuple[int, str]:
         """The most drafts this request takes this round, and why it is lower than its source's
@@ -207,7 +212,7 @@ class Adaptive:
             own = self.counts.setdefault(source, [0.0, 0.0])
             fade_in(own, self.decay, accepted, rejected)
             if self.pool is not None:
-                self.pool.observe(source, accepted, rejected)
+                self.pool.observe(source, accepted, rejected, self.member)
 
 
 def decide_round(policies: Sequence[Policy], contexts: Sequence[RoundContext], costs: StepCosts):
@@ -311,8 +316,9 @@ def _probed(policies, contexts, caps, ks, reasons, costs: StepCosts, batch, pric
     the draft model up on every token since it last drafted. In a batch everyone waits for
     both, so a probe goes ahead only where the round stays within PROBE_COST of its price, one
     request per round; alone, a request delays only itself: its probe's extra cost, spread
-    over the rounds it waited, must stay under PROBE_SHARE of a round. (Held to PROBE_COST alone too, a request on a verify
-    curve 12 % wider at 2 tokens never probed, and never drafted again once it had stopped.)"""
+    over the rounds it waited, must stay under PROBE_SHARE of a round. (Held to PROBE_COST
+    alone too, a request on a verify curve 12 % wider at 2 tokens never probed, and never
+    drafted again once it had stopped.)"""
     wider = costs.verify_cost(batch * max(2, max(ks) + 1))
     probed = False
     decisions = []

@@ -127,7 +127,7 @@ class ModelDrafter:
         self.wide_skip = 0  # ...once it reads its whole window
         self.kept = 0  # drafts of this request the target kept
         self.drafted_after: int | None = None  # the round's sequence length, if it drafted
-        self.offered_wide = False  # this round's offer was to read the window
+        self.offered: int | None = None  # the skip this round's offer would read from
         self.model = self
 
     def start(self, prompt: Sequence[int], slot: int, cache: PromptCache | None) -> None:
@@ -143,19 +143,15 @@ class ModelDrafter:
         sequence's: the window follows the sinks at once, as StreamingLLM numbers positions
         within its cache.
 
-        A long prompt is first scouted: read as its last SCOUT tokens (sinks included). Reading
-        a 512-token window costs 1.4-2.2 s on the default pair, paid at the first draft before
-        the request had a draft judged: after a summary of a 4,000-token file, whose drafts the
-        target mostly rejects, the policy stopped within a few rounds and had paid that for
-        nothing (0.89-0.94x the target alone). Once the target has kept SCOUT_KEPT of the
-        scout's drafts, the next offer is to read the window, its catch-up priced against the
-        answer left; a policy that does not draft at that offer has declined it, and the scout
-        stays the window for the rest of the request (`rollback`). The scout's drafts are a
-        cautious guess of the window's (kept: a question 0.40 against 0.59, completion 0.66
-        against 0.63), a gain no price sees: it is offered while the answer left is WIDEN_LEFT
-        times its lag (the catch-up a few % of the answer's time). On any answer it was taken on
-        noise after a 1,000-token summary: 2.0-2.3 s of a 128-token answer, 0.78-0.86x."""
-        self.slot, self.kept, self.drafted_after, self.offered_wide = slot, 0, None, False
+        A long prompt is first scouted: read as its last SCOUT tokens (sinks included). The
+        window's catch-up (1.4-2.2 s on the default pair), paid at the first draft before any
+        was judged, was lost where the target mostly rejects them (a summary of a 4,000-token
+        file: 0.89-0.94x). The window is offered (`_view`) once SCOUT_KEPT of the scout's drafts
+        were kept, while the answer left is WIDEN_LEFT times its lag: its gain (kept: a question
+        0.40 against 0.59, completion 0.66 against 0.63) is one no price sees, and offered on
+        any answer it was taken on noise (a 1,000-token summary: 2.0-2.3 s of 128 tokens,
+        0.78-0.86x). A policy that does not draft at that offer declines it for good."""
+        self.slot, self.kept, self.drafted_after, self.offered = slot, 0, None, None
         self.wide_skip = max(0, len(prompt) - self.window) if self.window else 0
         scout = self.scout and len(prompt) - self.wide_skip > SCOUT_FROM
         self.skip = len(prompt) - SCOUT if scout else self.wide_skip
@@ -171,16 +167,29 @@ class ModelDrafter:
 
     def offer(self, seq: Sequence[int], limit: int) -> Offer:
         held = self.engine.lengths[self.slot]
+        self.offered = self._view(seq, limit, held)
+        if self.offered is None:
+            return Offer("model", limit, len(seq) - self.skip - held)
+        return Offer("model", limit, len(seq) - self.offered - min(held, SINKS))
+
+    def _view(self, seq: Sequence[int], limit: int, held: int) -> int | None:
+        """The skip a draft this round would read from where it moves (None: it reads on): the
+        window (see `start`), or a new scout of the sequence's end where a long prompt's draft
+        model is more than SCOUT tokens behind what it read. A request that stopped drafting
+        first fed it every token since, more than a probe may cost (3.4 ms a token against 3 %
+        of a 100 ms round waited), so it never drafted again; a new scout costs the same."""
         wide = len(seq) - self.wide_skip - min(held, SINKS)  # the sinks, window and what followed
-        self.offered_wide = self.skip > self.wide_skip and self.kept >= SCOUT_KEPT
-        self.offered_wide = self.offered_wide and limit >= WIDEN_LEFT * wide
-        return Offer("model", limit, wide if self.offered_wide else len(seq) - self.skip - held)
+        if self.skip > self.wide_skip and self.kept >= SCOUT_KEPT and limit >= WIDEN_LEFT * wide:
+            return self.wide_skip
+        if self.scout and self.skip and held >= SINKS and len(seq) - self.skip - held > SCOUT:
+            return len(seq) - SCOUT
+        return None
 
     def feed(self, seq: Sequence[int]) -> Sequence[int]:
-        """What the draft model reads before this round's first step: a scout whose offer
-        was to read its window starts reading it here (its sinks kept)."""
-        if self.offered_wide:
-            self.skip = self.wide_skip
+        """What the draft model reads before this round's first step: where its offer was to
+        read the window or a new scout, it starts reading that here (its sinks kept)."""
+        if self.offered is not None:
+            self.skip = self.offered
             self.engine.rollback(min(self.engine.lengths[self.slot], SINKS), self.slot)
         self.drafted_after = len(seq)
         return self.unread(seq)
@@ -191,9 +200,9 @@ class ModelDrafter:
         if self.drafted_after is not None:
             self.kept += max(0, length - self.drafted_after)
             self.drafted_after = None
-        elif self.offered_wide:
+        elif self.offered is not None and self.offered == self.wide_skip < self.skip:
             self.wide_skip = self.skip
-        self.offered_wide = False
+        self.offered = None
         self.engine.rollback(min(self.engine.lengths[self.slot], length - self.skip), self.slot)
 
 

@@ -4,9 +4,11 @@ costs they share are the machine's (costs.py)."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 POOL_WARM = 8.0  # drafts of a source a runtime judges (decayed) before it prices that source
+GONE = 0.01  # a request's share of the counts, faded below this, is forgotten
 
 
 @dataclass
@@ -16,28 +18,58 @@ class PooledAcceptance:
     pair's typical acceptance is known before a request drafts its first token. Started from a
     fixed prior instead, a new request in a busy batch priced drafting below the target alone,
     and a probe there widens every request's call, so it never drafted to learn better
-    (measured at 2 clients on the gguf target: K = 0 throughout, 0.80x fixed K = 1)."""
+    (measured at 2 clients on the gguf target: K = 0 throughout, 0.80x fixed K = 1).
+
+    A request reads the pool without its own share (`without`): its own drafts already make
+    its estimate, and counted twice they made the pool of a runtime serving one request that
+    request's first rounds. After a summary of a 1,000-token file, whose opening the draft
+    guesses badly, the estimate stayed at those rounds' 0.15 for the rest of the answer (a
+    probe restarts a request's estimate from the pool: there, the same rounds), while its
+    drafts at K = 1 were kept at 0.51 (0.95x fixed K = 1)."""
 
     decay: float = 0.99  # the last ~100 drafted tokens of any request
     counts: dict[str, list[float]] = field(default_factory=dict)  # source: [accepted, rejected]
+    shares: dict[tuple[int, str], list[float]] = field(default_factory=dict)  # whose counts
+    _keys: itertools.count = field(default_factory=itertools.count, repr=False)
 
-    def alpha(self, source: str) -> float | None:
-        """The pooled acceptance of this source, or None before any of its drafts was judged."""
-        if source not in self.counts:
+    def member(self) -> int:
+        """A key for a request whose drafts the pool counts, to read it without them."""
+        return next(self._keys)
+
+    def alpha(self, source: str, without: int | None = None) -> float | None:
+        """The pooled acceptance of this source (less request `without`'s share), or None before
+        any such draft was judged."""
+        accepted, rejected = self._counts(source, without)
+        if accepted + rejected <= 0:
             return None
-        accepted, rejected = self.counts[source]
         return accepted / (accepted + rejected)
 
-    def warm(self, source: str) -> bool:
-        """Whether the runtime has judged enough of this source's drafts (POOL_WARM) to price
-        them in a batch. Before that, a batch drafts to learn: priced from a fixed prior
-        instead, a server that starts under load never drafted (at 2 clients on the gguf
-        target, K = 0 throughout where fixed K = 1 ran 1.03x faster), since in a batch no probe
-        widens the call."""
-        return sum(self.counts.get(source, ())) >= POOL_WARM
+    def warm(self, source: str, without: int | None = None) -> bool:
+        """Whether the runtime has judged enough of this source's drafts (POOL_WARM), those of
+        request `without` aside, to price them in a batch. Before that, a batch drafts to
+        learn: priced from a fixed prior instead, a server that starts under load never
+        drafted (at 2 clients on the gguf target, K = 0 throughout where fixed K = 1 ran 1.03x
+        faster), since in a batch no probe widens the call."""
+        return sum(self._counts(source, without)) >= POOL_WARM
 
-    def observe(self, source: str, accepted: int, rejected: int) -> None:
+    def observe(self, source: str, accepted: int, rejected: int, who: int | None = None) -> None:
+        """Count a round's judged drafts, as request `who`'s share where given; every share
+        fades with the counts, and one faded to nothing is forgotten."""
+        fade = self.decay ** (accepted + rejected)
+        for key in [key for key in self.shares if key[1] == source]:
+            share = self.shares[key]
+            share[0], share[1] = fade * share[0], fade * share[1]
+            if sum(share) < GONE:
+                del self.shares[key]
         fade_in(self.counts.setdefault(source, [0.0, 0.0]), self.decay, accepted, rejected)
+        if who is not None:
+            share = self.shares.setdefault((who, source), [0.0, 0.0])
+            share[0], share[1] = share[0] + accepted, share[1] + rejected
+
+    def _counts(self, source: str, without: int | None) -> tuple[float, float]:
+        accepted, rejected = self.counts.get(source, (0.0, 0.0))
+        mine = self.shares.get((without, source), (0.0, 0.0))
+        return max(0.0, accepted - mine[0]), max(0.0, rejected - mine[1])
 
 
 def fade_in(counts: list[float], decay: float, accepted: int, rejected: int) -> None:

@@ -150,7 +150,7 @@ class ModelDrafter:
         were kept, while the answer left is WIDEN_LEFT times its lag: its gain (kept: a question
         0.40 against 0.59, completion 0.66 against 0.63) is one no price sees, and offered on
         any answer it was taken on noise (a 1,000-token summary: 2.0-2.3 s of 128 tokens,
-        0.78-0.86x). A policy that does not draft at that offer declines it for good."""
+        0.75-0.83x). A policy that does not draft at that offer declines it for good."""
         self.slot, self.kept, self.drafted_after, self.offered = slot, 0, None, None
         self.wide_skip = max(0, len(prompt) - self.window) if self.window else 0
         scout = self.scout and len(prompt) - self.wide_skip > SCOUT_FROM

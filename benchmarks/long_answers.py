@@ -27,68 +27,70 @@ def speculation_row(
 ) -> dict:
     """One size, in this process: each run (the target alone, adaptive speculation reading the
     prompt whole or in its window, fixed:K) answering `answer` tokens after the same prompt
-    (the speculating runs from the target alone's prefix in the slot), each from the
-    calibrated costs and a fresh acceptance pool; `repeat` times, the runs taking turns, since
-    this machine's speed drifts by 10 % within a minute (`_mean`)."""
+    (the speculating runs from the target alone's prefix in the slot), in turns (`_turns_of`)."""
     from specrt.runtime import SpeculativeRuntime
     from specrt.runtime.drafters import DRAFT_WINDOW, make_drafter
-    from specrt.runtime.pool import PooledAcceptance
 
     rt = SpeculativeRuntime.load(bundle, slots=clients)
     calibrated = copy.deepcopy(rt.costs)
     text = rt.tokenizer.decode(rt.tokenizer.encode(source_text())[:size])
     prompt = task_prompt(task, text)
-    row = {"size": size, "prompt_ids": rt.encode(prompt), "window": DRAFT_WINDOW}
+    ids = rt.encode(prompt)
+    row = {"size": size, "prompt_ids": ids, "prompt_tokens": len(ids), "window": DRAFT_WINDOW}
     if clients > 1:
-        return _clients_row(rt, row, size, task, answer, runs, repeat, clients)
+        return _clients_row(rt, calibrated, row, task, answer, runs, repeat, clients)
     known = {
         "target": {"speculate": False},
         "whole": {"drafter": make_drafter("model", rt.draft, window=None)},
         "unscouted": {"drafter": make_drafter("model", rt.draft, scout=False)},
         "adaptive": {},
     }
-    order = ["target", *(r for r in runs if r != "target")]  # the target pays the prefill
-    turns: dict[str, list[dict]] = {name: [] for name in order}
-    for _ in range(repeat):
-        for name in order:
-            options = known.get(name) or {"controller": name}
-            rt.costs, rt.acceptance = copy.deepcopy(calibrated), PooledAcceptance()
-            for slot in range(rt.draft.slots):  # each run pays its own draft model's reading
-                rt.draft.reset(slot)
-            result = rt.generate(prompt, max_new_tokens=answer, ignore_eos=True, **options)
-            s = result.stats
-            row["prompt_tokens"] = s.prompt_tokens
-            turns[name].append(
-                {
-                    "ttft_s": round(s.ttft_seconds, 2),
-                    "decode_tokens_per_s": round(
-                        (s.new_tokens - 1) / (s.total_seconds - s.ttft_seconds), 2
-                    ),
-                    "mean_k": round(sum(s.ks) / max(1, len(s.ks)), 2),
-                    "accepted": s.accepted,
-                    "drafted": s.drafted,
-                    "tokens": result.token_ids,
-                }
-            )
-    row.update({name: _mean(done) for name, done in turns.items()})
-    return row
+
+    def turn(name: str) -> dict:
+        options = known.get(name) or {"controller": name}
+        result = rt.generate(prompt, max_new_tokens=answer, ignore_eos=True, **options)
+        s = result.stats
+        decode = (s.new_tokens - 1) / (s.total_seconds - s.ttft_seconds)
+        return {
+            "ttft_s": round(s.ttft_seconds, 2),
+            "decode_tokens_per_s": round(decode, 2),
+            "mean_k": round(sum(s.ks) / max(1, len(s.ks)), 2),
+            "accepted": s.accepted,
+            "drafted": s.drafted,
+            "tokens": result.token_ids,
+        }
+
+    return row | _turns_of(rt, calibrated, runs, repeat, turn)
 
 
-def _clients_row(rt, row: dict, size: int, task: str, answer: int, runs, repeat, clients):
+def _clients_row(rt, calibrated, row: dict, task: str, answer: int, runs, repeat, clients):
     """`clients` requests at once, each after its own cut of the source (CLIENT_OFFSET tokens
     apart), through one scheduler of as many slots: a warm-up pays their prefill (the prompt
-    cache then holds each prompt in its slot), then each run's turns as in `speculation_row`,
+    cache then holds each prompt in its slot), then the runs' turns as in `speculation_row`,
     each run's speed the batch's (tokens after each request's first, over the seconds from the
     first request's first token to the last one's end)."""
-    from specrt.runtime.pool import PooledAcceptance
-
     ids = rt.tokenizer.encode(source_text())
+    size = row["size"]
     cuts = [ids[i * CLIENT_OFFSET : i * CLIENT_OFFSET + size] for i in range(clients)]
     prompts = [task_prompt(task, rt.tokenizer.decode(cut)) for cut in cuts]
-    calibrated = copy.deepcopy(rt.costs)
     start = time.perf_counter()
     _batch_turn(rt, prompts, 1, {"speculate": False})
     row.update(clients=clients, prefill_s=round(time.perf_counter() - start, 1))
+
+    def turn(name: str) -> dict:
+        options = {"speculate": False} if name == "target" else {"controller": name}
+        return _batch_turn(rt, prompts, answer, options)
+
+    return row | _turns_of(rt, calibrated, runs, repeat, turn)
+
+
+def _turns_of(rt, calibrated, runs: list[str], repeat: int, turn) -> dict:
+    """Each run (the target alone first: it pays the prefill) `repeat` times, the runs taking
+    turns, since this machine's speed drifts by 10 % within a minute; each turn from the
+    calibrated costs, a fresh acceptance pool and empty draft slots (a run that found the last
+    one's window there read it for free). Returns each run's turns as one (`_mean`)."""
+    from specrt.runtime.pool import PooledAcceptance
+
     order = ["target", *(r for r in runs if r != "target")]
     turns: dict[str, list[dict]] = {name: [] for name in order}
     for _ in range(repeat):
@@ -96,11 +98,8 @@ def _clients_row(rt, row: dict, size: int, task: str, answer: int, runs, repeat,
             rt.costs, rt.acceptance = copy.deepcopy(calibrated), PooledAcceptance()
             for slot in range(rt.draft.slots):
                 rt.draft.reset(slot)
-            options = {"speculate": False} if name == "target" else {"controller": name}
-            turns[name].append(_batch_turn(rt, prompts, answer, options))
-    row["prompt_tokens"] = len(rt.encode(prompts[0]))
-    row.update({name: _mean(done) for name, done in turns.items()})
-    return row
+            turns[name].append(turn(name))
+    return {name: _mean(done) for name, done in turns.items()}
 
 
 def _batch_turn(rt, prompts: list, answer: int, options: dict) -> dict:

@@ -26,115 +26,114 @@ def speculation_row(
     bundle: str, size: int, task: str, answer: int, runs: list[str], repeat=1, clients=1
 ) -> dict:
     """One size, in this process: each run (the target alone, adaptive speculation reading the
-    prompt whole or in its window, fixed:K) answering `answer` tokens after the same prompt
-    (the speculating runs from the target alone's prefix in the slot), in turns (`_turns_of`)."""
+    prompt whole or in its window, fixed:K) answering `answer` tokens after the same prompts
+    (`clients` of them, each its own cut of the source, CLIENT_OFFSET tokens apart), each run in
+    a runtime of its own. A warm-up pays each runtime's prefill (the prompt cache then holds
+    the prompts in their slots; the target alone's is the row's first token), then the runs
+    take `repeat` turns, round by round in turn (`_interleaved`)."""
     from specrt.runtime import SpeculativeRuntime
-    from specrt.runtime.drafters import DRAFT_WINDOW, make_drafter
-
-    rt = SpeculativeRuntime.load(bundle, slots=clients)
-    calibrated = copy.deepcopy(rt.costs)
-    text = rt.tokenizer.decode(rt.tokenizer.encode(source_text())[:size])
-    prompt = task_prompt(task, text)
-    ids = rt.encode(prompt)
-    row = {"size": size, "prompt_ids": ids, "prompt_tokens": len(ids), "window": DRAFT_WINDOW}
-    if clients > 1:
-        return _clients_row(rt, calibrated, row, task, answer, runs, repeat, clients)
-    known = {
-        "target": {"speculate": False},
-        "whole": {"drafter": make_drafter("model", rt.draft, window=None)},
-        "unscouted": {"drafter": make_drafter("model", rt.draft, scout=False)},
-        "adaptive": {},
-    }
-
-    def turn(name: str) -> dict:
-        options = known.get(name) or {"controller": name}
-        result = rt.generate(prompt, max_new_tokens=answer, ignore_eos=True, **options)
-        s = result.stats
-        decode = (s.new_tokens - 1) / (s.total_seconds - s.ttft_seconds)
-        return {
-            "ttft_s": round(s.ttft_seconds, 2),
-            "decode_tokens_per_s": round(decode, 2),
-            "mean_k": round(sum(s.ks) / max(1, len(s.ks)), 2),
-            "accepted": s.accepted,
-            "drafted": s.drafted,
-            "tokens": result.token_ids,
-        }
-
-    return row | _turns_of(rt, calibrated, runs, repeat, turn)
-
-
-def _clients_row(rt, calibrated, row: dict, task: str, answer: int, runs, repeat, clients):
-    """`clients` requests at once, each after its own cut of the source (CLIENT_OFFSET tokens
-    apart), through one scheduler of as many slots: a warm-up pays their prefill (the prompt
-    cache then holds each prompt in its slot), then the runs' turns as in `speculation_row`,
-    each run's speed the batch's (tokens after each request's first, over the seconds from the
-    first request's first token to the last one's end)."""
-    ids = rt.tokenizer.encode(source_text())
-    size = row["size"]
-    cuts = [ids[i * CLIENT_OFFSET : i * CLIENT_OFFSET + size] for i in range(clients)]
-    prompts = [task_prompt(task, rt.tokenizer.decode(cut)) for cut in cuts]
-    start = time.perf_counter()
-    _batch_turn(rt, prompts, 1, {"speculate": False})
-    row.update(clients=clients, prefill_s=round(time.perf_counter() - start, 1))
-
-    def turn(name: str) -> dict:
-        options = {"speculate": False} if name == "target" else {"controller": name}
-        return _batch_turn(rt, prompts, answer, options)
-
-    return row | _turns_of(rt, calibrated, runs, repeat, turn)
-
-
-def _turns_of(rt, calibrated, runs: list[str], repeat: int, turn) -> dict:
-    """Each run (the target alone first: it pays the prefill) `repeat` times, the runs taking
-    turns, since this machine's speed drifts by 10 % within a minute; each turn from the
-    calibrated costs, a fresh acceptance pool and empty draft slots (a run that found the last
-    one's window there read it for free). Returns each run's turns as one (`_mean`)."""
-    from specrt.runtime.pool import PooledAcceptance
+    from specrt.runtime.drafters import DRAFT_WINDOW
 
     order = ["target", *(r for r in runs if r != "target")]
+    runtimes = {name: SpeculativeRuntime.load(bundle, slots=clients) for name in order}
+    first = runtimes["target"]
+    ids = first.tokenizer.encode(source_text())
+    cuts = [ids[i * CLIENT_OFFSET : i * CLIENT_OFFSET + size] for i in range(clients)]
+    prompts = [task_prompt(task, first.tokenizer.decode(cut)) for cut in cuts]
+    encoded = first.encode(prompts[0])
+    row = {"size": size, "prompt_ids": encoded, "prompt_tokens": len(encoded)}
+    row.update(window=DRAFT_WINDOW, clients=clients)
+    options = {name: _options(name, rt) for name, rt in runtimes.items()}
+    calibrated = {name: copy.deepcopy(rt.costs) for name, rt in runtimes.items()}
+    waited = {}
+    for name, rt in runtimes.items():
+        started = time.perf_counter()
+        _run_alone(rt, prompts, 1, options[name])
+        waited[name] = round(time.perf_counter() - started, 2)
     turns: dict[str, list[dict]] = {name: [] for name in order}
     for _ in range(repeat):
-        for name in order:
-            rt.costs, rt.acceptance = copy.deepcopy(calibrated), PooledAcceptance()
-            for slot in range(rt.draft.slots):
-                rt.draft.reset(slot)
-            turns[name].append(turn(name))
-    return {name: _mean(done) for name, done in turns.items()}
+        for name, done in _interleaved(runtimes, calibrated, prompts, answer, options).items():
+            turns[name].append(done)
+    row |= {name: _mean(done) for name, done in turns.items()}
+    row["target"]["ttft_s"] = waited["target"]
+    return row
 
 
-def _batch_turn(rt, prompts: list, answer: int, options: dict) -> dict:
+def _options(name: str, rt) -> dict:
+    """A run's request options: the target alone, adaptive with its draft model reading the
+    prompt whole or without the scout, adaptive as served, or a controller (fixed:K)."""
+    from specrt.runtime.drafters import make_drafter
+
+    if name == "target":
+        return {"speculate": False}
+    if name == "whole":
+        return {"drafter": make_drafter("model", rt.draft, window=None)}
+    if name == "unscouted":
+        return {"drafter": make_drafter("model", rt.draft, scout=False)}
+    return {} if name == "adaptive" else {"controller": name}
+
+
+def _run_alone(rt, prompts: list, answer: int, options: dict) -> None:
+    """The prompts at once in this runtime, to the end of their answers."""
     from specrt.runtime import Scheduler
 
-    scheduler = Scheduler(rt.target, rt.costs, slots=len(prompts))
+    scheduler = Scheduler(rt.target, rt.costs, slots=len(prompts), chunk=None)
     sequences = [rt.sequence(p, max_new_tokens=answer, ignore_eos=True, **options) for p in prompts]
     for sequence in sequences:
         scheduler.add(sequence)
-    first, begun = None, time.perf_counter()
-    while any(s.result is None for s in sequences):
+    while scheduler.busy:
         scheduler.step()
-        if first is None and any(s.produced for s in sequences):
-            first = time.perf_counter()
+
+
+def _interleaved(runtimes: dict, calibrated: dict, prompts: list, answer: int, options) -> dict:
+    """One turn of every run, their rounds in turn (one round of each run, then the next), so
+    that this machine's drift (10 % within a minute) falls on every run alike: run after run,
+    a run 12 s long met the machine 19 % slower than the one before. Each run starts from its
+    calibrated costs, a fresh acceptance pool and empty draft slots (a run that found the last
+    one's window there read it for free); its speed is its tokens after each request's first
+    over the seconds of its own rounds (the prompts, in the slots, only set the first)."""
+    from specrt.runtime import Scheduler
+    from specrt.runtime.pool import PooledAcceptance
+
+    schedulers, sequences, seconds = {}, {}, dict.fromkeys(runtimes, 0.0)
+    for name, rt in runtimes.items():
+        rt.costs, rt.acceptance = copy.deepcopy(calibrated[name]), PooledAcceptance()
+        for slot in range(rt.draft.slots):
+            rt.draft.reset(slot)
+        schedulers[name] = Scheduler(rt.target, rt.costs, slots=len(prompts), chunk=None)
+        sequences[name] = [
+            rt.sequence(p, max_new_tokens=answer, ignore_eos=True, **options[name]) for p in prompts
+        ]
+        for sequence in sequences[name]:
+            schedulers[name].add(sequence)
+    while any(s.busy for s in schedulers.values()):
+        for name, scheduler in schedulers.items():
+            if scheduler.busy:
+                started = time.perf_counter()
+                if scheduler.step().batch:
+                    seconds[name] += time.perf_counter() - started
+    return {name: _turn(done, seconds[name]) for name, done in sequences.items()}
+
+
+def _turn(sequences: list, seconds: float) -> dict:
     stats = [s.result.stats for s in sequences]
     ks = [k for st in stats for k in st.ks]
+    tokens = [s.result.token_ids for s in sequences]
     return {
-        "ttft_s": round(first - begun, 2),
-        "decode_tokens_per_s": round(
-            sum(st.new_tokens - 1 for st in stats) / (time.perf_counter() - first), 2
-        ),
+        "decode_tokens_per_s": round(sum(st.new_tokens - 1 for st in stats) / seconds, 2),
         "mean_k": round(sum(ks) / max(1, len(ks)), 2),
         "accepted": sum(st.accepted for st in stats),
         "drafted": sum(st.drafted for st in stats),
-        "tokens": [s.result.token_ids for s in sequences],
+        "tokens": tokens[0] if len(tokens) == 1 else tokens,
     }
 
 
 def _mean(turns: list[dict]) -> dict:
-    """A run's turns as one: the first's time to first token (the target alone's prefill),
-    mean decode speed and K, drafts summed, each turn's speed, and its output (one that differs
-    from the first turn's, where any does, so that the table says so)."""
+    """A run's turns as one: mean decode speed and K, drafts summed, each turn's speed, and
+    its output (one that differs from the first turn's, where any does, so that the table
+    says so)."""
     tokens = next((t["tokens"] for t in turns if t["tokens"] != turns[0]["tokens"]), None)
     return {
-        "ttft_s": turns[0]["ttft_s"],
         "decode_tokens_per_s": round(sum(t["decode_tokens_per_s"] for t in turns) / len(turns), 2),
         "mean_k": round(sum(t["mean_k"] for t in turns) / len(turns), 2),
         "accepted": sum(t["accepted"] for t in turns),

@@ -56,8 +56,9 @@ def test_k_climbs_to_k_max_when_the_draft_always_agrees(agree):
 
 def test_adaptive_climbs_to_k_max_when_every_draft_is_accepted():
     """Deterministic costs (the loop's own are wall-clock): a cheap draft, a flat curve. K
-    climbs to K_max, or to one below where K_max prices within K_MARGIN of it (at the
-    estimate the pool's share holds at ~0.91, by 2 %)."""
+    climbs to K_max: the base the recent drafts are shrunk toward is the request's own long
+    run, all kept (shrunk toward the prior alone, the estimate stayed at ~0.91 and K_max
+    priced within K_MARGIN of K = 7, so K stopped one below)."""
     costs = StepCosts(draft={1: 0.001}, verify={n: 0.010 for n in range(1, 10)})
     policy = Adaptive(k_model=8, costs=costs)
     ks = []
@@ -65,11 +66,8 @@ def test_adaptive_climbs_to_k_max_when_every_draft_is_accepted():
         k = policy.decide(RoundContext(room=8, position=20, remaining=256)).k
         _observe(policy, k, k, 0.001 * k, 0.010)
         ks.append(k)
-    assert ks[-6:] == [7] * 6 and ks[0] < 7
-    rates = [
-        price_round([k], [policy.alpha()], ["model"], [(0, 256)], (), costs)[0] for k in (7, 8)
-    ]
-    assert rates[0] < rates[1] <= (1 + K_MARGIN) * rates[0]
+    assert ks[-6:] == [8] * 6 and ks[0] < 8
+    assert policy.alpha() > 0.95
 
 
 def test_adaptive_on_an_always_agreeing_draft(agree_bundle):
@@ -288,7 +286,8 @@ def test_a_request_is_shrunk_toward_the_other_requests_not_itself():
         policy.observe(1, 0)
     assert pool.warm("model") and pool.alpha("model") == 0.0  # the control
     assert not pool.warm("model", policy.member) and pool.alpha("model", policy.member) is None
-    policy.counts.clear()  # as an accepted probe does
+    policy.counts.clear()  # as an accepted probe does, its long run too
+    policy.record.clear()
     assert policy.alpha() == pytest.approx(policy.prior_alpha)
     other = Adaptive(costs=gguf_costs(), pool=pool)
     assert other.learning("model") is False and other.alpha() == 0.0
@@ -303,7 +302,8 @@ def test_one_rejected_draft_does_not_end_a_requests_drafting():
     runtime's requests accepted. In a batch of 2 on the gguf target's curves, with the pool at
     0.9, two new requests whose first drafts are both rejected still draft (their estimates
     fall toward the pool's, not to 0.6), where an estimate from their own drafts alone priced
-    K = 0 and, since no probe widens a batch's call, never drafted again."""
+    K = 0 and, since no probe widens a batch's call, never drafted again. (The rejection
+    counts twice, in its recent drafts and in its long run, the base they are shrunk toward.)"""
     costs = gguf_costs()
     pool = PooledAcceptance()
     pool.observe("model", 45, 5)
@@ -314,7 +314,7 @@ def test_one_rejected_draft_does_not_end_a_requests_drafting():
         policy.observe(decision.k, 0)
     after = decide_together(batch, [RoundContext(8, 100, 256, lag=1)] * 2, costs)
     assert min(d.k for d in after) >= 1
-    assert 0.7 < batch[0].alpha() < pool.alpha("model")
+    assert 0.65 < batch[0].alpha() < pool.alpha("model")
     loner = Adaptive(costs=costs, prior_alpha=0.7)  # without a pool, the prior is the base
     loner.observe(8, 8)
     assert 0.7 < loner.alpha() < 1.0

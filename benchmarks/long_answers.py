@@ -1,6 +1,7 @@
 """The speculation rows of long_context.py (`--speculation`): the target alone, adaptive and
 fixed K answering after one long prompt, or after one each for several requests at once
-(`--clients`), in turns (`--repeat`), with llama-server's rows beside; and their reports.
+(`--clients`), round by round in turn (`--repeat` turns), with llama-server's rows beside; and
+their reports.
 long_context.py's docstring says what each option measures."""
 
 from __future__ import annotations
@@ -184,10 +185,9 @@ def markdown(result: dict) -> str:
         "",
         f"One request, greedy, {result.get('answer', ANSWER)} new tokens, the default draft "
         "and target; "
-        f"{TASKS[result.get('task', 'chat')]}. The target alone pays the prefill; the "
-        "speculating runs start from its prefix in the slot and pay their own decode, the draft "
-        "model's catch-up included (decode: tokens after the first over their seconds; "
-        f"accepted: drafts the target kept). `{result['command']}`",
+        f"{TASKS[result.get('task', 'chat')]}. {_turns(result)}(decode: tokens after the first "
+        "over their rounds' seconds, the draft model's catch-up included; accepted: drafts the "
+        f"target kept). `{result['command']}`",
         "",
         "| prompt tokens | target alone: first token, decode tok/s | adaptive, draft reads the "
         "whole prompt: tok/s, mean K, accepted | adaptive, draft reads its last "
@@ -217,9 +217,8 @@ def _runs_markdown(result: dict) -> str:
         "# Long prompts: what speculation gains after them",
         "",
         f"{_requests(result)}, greedy, {result['answer']} new tokens, the default draft and "
-        f"target; {TASKS[result['task']]}. Each run: decode tok/s, mean K, drafts accepted; the "
-        f"speculating runs start from the target alone's prefix in the slot. {_turns(result)}"
-        f"`{result['command']}`",
+        f"target; {TASKS[result['task']]}. Each run: decode tok/s, mean K, drafts accepted. "
+        f"{_turns(result)}`{result['command']}`",
         "",
         "| prompt tokens | target alone: first token, tok/s | "
         + " | ".join(runs)
@@ -250,17 +249,20 @@ def _requests(result: dict) -> str:
         return "One request"
     return (
         f"{clients} requests at once, each after its own cut of the source ({CLIENT_OFFSET} "
-        "tokens apart), their prefill paid before the runs; speeds are the batch's"
+        "tokens apart); speeds are the batch's"
     )
 
 
 def _turns(result: dict) -> str:
     repeat = result.get("repeat", 1)
-    if repeat == 1:
-        return ""
+    if result["rows"] and "clients" not in result["rows"][0]:  # the runs took whole turns
+        return "" if repeat == 1 else f"{repeat} turns of the runs, one after another. "
+    each = f" {repeat} turns: each cell's speed is their mean, each turn's in brackets" * (
+        repeat > 1
+    )
     return (
-        f"The runs took {repeat} turns in turn, in one process: each cell's speed is their "
-        "mean, each turn's in brackets (the drafts summed). "
+        "Each run in a runtime of its own, its prefill paid before; the runs answer round by "
+        f"round in turn (the machine's drift falls on all alike){each}. "
     )
 
 

@@ -14,24 +14,25 @@ prompt cache off). Each row runs in a process of its own, so its peak RSS
 
 `--speculation` answers `--answer` tokens with the target alone, then with adaptive speculation
 whose draft model reads the prompt's last 512 tokens (the default `--draft-window`) and with one
-that reads it whole. The target alone pays the prefill (its first token is the row's); the
-speculating runs start from the target's prefix in its slot (the prompt cache), so each pays
-only its own decode, the draft model's catch-up included (the draft's slot is emptied
-before each run: a run that found the last one's window there read it for free, and the
-order of the runs set who paid), and each starts from the costs
-calibrated at load and no acceptance seen (a run's rounds would otherwise set the next one's
-course). `--task completion` sends the cut
+that reads it whole. Each run has a runtime of its own, which pays the prompt's prefill once
+(the target alone's is the row's first token; the prompt cache keeps it in the slot), and the
+runs then answer round by round in turn: one round of each, then the next, so that the
+machine's drift (10 % within a minute on a shared 2-core machine) falls on every run alike.
+A run's speed is its tokens after the first over the seconds of its own rounds, the draft
+model's catch-up included; each run starts from the costs calibrated at its load, no
+acceptance seen and an empty draft slot (a run's rounds would otherwise set the next one's
+course, and a window left in the slot was read for free). `--task completion` sends the cut
 source as plain text to continue (code completion, as an editor sends a file) instead of a
 chat question about it; `--task summary` asks for a summary of it, `--task system` sends it as
 a long system prompt with a short question after it (TASKS). `--runs target,fixed:1,fixed:3,
 adaptive` sets the runs side by side (any of target, whole, unscouted, adaptive, fixed:K;
 `unscouted` reads the window from the first draft, without the scout of
 `ModelDrafter.start`; the table then gives adaptive against the better of the target alone
-and the best fixed K). `--repeat N` runs them N turns, in turn, and gives each run's mean
-and every turn's speed (a 2-core machine's speed drifts by 10 % within a minute). With
-`--llama-cpp DIR` (a folder with llama-server, or
-$SPECRT_LLAMA_CPP, or PATH), llama-server gets the same prompt's token ids on the bundle's GGUF
-files, alone and with the draft GGUF, one slot, as many threads, `cache_prompt` off.
+and the best fixed K). `--repeat N` runs N such turns and gives each run's mean and every
+turn's speed. `--clients N` gives each run N requests at once, each after its own cut of the
+source. With `--llama-cpp DIR` (a folder with llama-server, or $SPECRT_LLAMA_CPP, or PATH),
+llama-server gets the same prompt's token ids on the bundle's GGUF files, alone and with the
+draft GGUF, one slot, as many threads, `cache_prompt` off.
 """
 
 from __future__ import annotations

@@ -130,7 +130,7 @@ def _turn(sequences: list, seconds: float) -> dict:
 
 
 def _mean(turns: list[dict]) -> dict:
-    """A run's turns as one: mean decode speed and K, drafts summed, each turn's speed, and
+    """A run's turns as one: mean decode speed and K, drafts summed, each turn's speed and K, and
     its output (one that differs from the first turn's, where any does, so that the table
     says so)."""
     tokens = next((t["tokens"] for t in turns if t["tokens"] != turns[0]["tokens"]), None)
@@ -140,6 +140,7 @@ def _mean(turns: list[dict]) -> dict:
         "accepted": sum(t["accepted"] for t in turns),
         "drafted": sum(t["drafted"] for t in turns),
         "turns": [t["decode_tokens_per_s"] for t in turns],
+        "turn_ks": [t["mean_k"] for t in turns],
         "tokens": tokens or turns[0]["tokens"],
     }
 

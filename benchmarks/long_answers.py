@@ -258,12 +258,10 @@ def _turns(result: dict) -> str:
     repeat = result.get("repeat", 1)
     if result["rows"] and "clients" not in result["rows"][0]:  # the runs took whole turns
         return "" if repeat == 1 else f"{repeat} turns of the runs, one after another. "
-    each = f" {repeat} turns: each cell's speed is their mean, each turn's in brackets" * (
-        repeat > 1
-    )
+    each = f"; {repeat} turns, each cell's speed their mean, each turn's in brackets" * (repeat > 1)
     return (
         "Each run in a runtime of its own, its prefill paid before; the runs answer round by "
-        f"round in turn (the machine's drift falls on all alike){each}. "
+        f"round in turn, so that the machine's drift falls on all alike{each}. "
     )
 
 

@@ -167,6 +167,19 @@ def test_verify_cost_interpolates_and_extrapolates_the_measured_curve():
     assert costs.verify_cost(5) == pytest.approx(0.30 + 0.3 * 0.02)
 
 
+def test_a_count_the_curve_lacks_joins_it_and_the_others_move_its_shift():
+    """A runtime never calibrated (`specrt bench`'s single-stream rows) learns its curve from
+    the calls it makes: a count it lacks joins the shape, one it has moves every price."""
+    costs = StepCosts()
+    costs.observe_verify(5, 0.20)
+    assert costs.verify_cost(5) == costs.verify_cost(1) == 0.20  # one point: flat
+    costs.observe_verify(1, 0.10)
+    assert costs.verify_cost(1) == pytest.approx(0.10)
+    costs.observe_verify(5, 0.26)  # 60 ms dear: 18 ms on every count
+    assert costs.verify_cost(1) == pytest.approx(0.118)
+    assert costs.verify_cost(5) == pytest.approx(0.218)
+
+
 def test_one_stall_cannot_price_a_call_out_of_reach_but_a_lasting_slowdown_shows():
     """A shared machine stalls now and then; a stall seen once moves the estimate 15 %, where
     it would have moved it 3.7x (and K = 0 would never measure that call again)."""

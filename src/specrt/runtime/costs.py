@@ -89,13 +89,14 @@ class StepCosts:
 
     def observe_verify(self, rows: int, seconds: float) -> None:
         """One verify call: what it cost beyond its price moves the shift, every count's
-        (see the module's docstring); a runtime never calibrated takes its first call as
-        the curve."""
-        if not self.verify:
-            self.verify[rows] = seconds
-            return
-        expected = self.verify_cost(rows)
-        self.shift += SMOOTHING * (min(seconds, SPIKE * expected) - expected)
+        (see the module's docstring). A count the curve lacks (a runtime never calibrated,
+        a batch shape calibration skipped) joins its shape at its time less the shift."""
+        expected = self.verify_cost(rows) if self.verify else seconds
+        seconds = min(seconds, SPIKE * expected)
+        if rows in self.verify:
+            self.shift += SMOOTHING * (seconds - expected)
+        else:
+            self.verify[rows] = max(seconds - self.shift, 1e-9)
 
     def curve(self) -> dict[int, float]:
         """The verify prices of the counts measured, as of now."""

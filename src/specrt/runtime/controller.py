@@ -26,9 +26,9 @@ from typing import Protocol
 import numpy as np
 
 from specrt.errors import SpecrtError
-from specrt.runtime.costs import StepCosts
+from specrt.runtime.costs import STALE_AFTER, StepCosts
 from specrt.runtime.pool import PooledAcceptance, fade_in
-from specrt.runtime.pricing import ROUND_LAG, price_round
+from specrt.runtime.pricing import ROUND_LAG, price_round, verify_rows
 
 PROBE_AFTER = 16  # rounds at K = 0 after which an adaptive request drafts one token again...
 PROBE_COST = 1.1  # ...in a batch, if the wider call costs at most this much more than its round
@@ -36,6 +36,7 @@ PROBE_SHARE = 0.03  # alone, if its extra cost is at most this share of the roun
 DOUBT_Z, DOUBT_AFTER = 1.0, 4.0  # own drafts bound acceptance (84 %, Wilson) once 4 are judged
 SWITCH_GAIN = 1.05  # a batch starts or stops the model's drafts only for this much more tok/s
 K_MARGIN = 0.03  # options priced within this share of the best are equal: the fewest drafts win
+REFRESH_MARGIN = 1.15  # a stale call (costs.STALE_AFTER) is re-timed if it prices this close
 WARM_UP_K = 4  # drafts a round takes while a source cannot be priced yet
 
 
@@ -136,6 +137,7 @@ class Adaptive:
     idle: int = field(init=False, default=0)  # rounds in a row without drafting
     last_k: int | None = field(init=False, default=None)  # drafts of its last round
     probing: bool = field(init=False, default=False)  # its last decision was a probe
+    refreshing: bool = field(init=False, default=False)  # ...or re-timed the call without drafts
     member: int | None = field(init=False, default=None)  # its key in the pool
 
     def __post_init__(self) -> None:
@@ -206,6 +208,9 @@ class Adaptive:
         return decide_together([self], [ctx], self.costs)[0]
 
     def observe(self, k: int, accepted: int, source: str = "model") -> None:
+        if self.refreshing:  # a round that only re-timed a call: the course goes on
+            self.refreshing = False
+            return
         self.idle = 0 if k else self.idle + 1
         self.last_k = k
         if self.probing:
@@ -292,11 +297,13 @@ def _priced(policies, contexts, capped, costs: StepCosts, others) -> list[Decisi
         ]
         options.append((*price_round(ks, alphas, sources, lags, others, costs), ks))
     drafting = any(
-        p.last_k and c.lag <= ROUND_LAG
+        p.last_k and c.lag <= ROUND_LAG + 1  # + 1: a round that re-timed the call (_refresh)
         for p, c in zip(policies, contexts, strict=True)
         if c.source == "model"
     )
-    rate, draft, verify, ks = _keep_course(options, sources, drafting)
+    chosen = _keep_course(options, sources, drafting)
+    refresh = _refresh(options, chosen, sources, others, costs)
+    rate, draft, verify, ks = refresh or chosen
     batch = len(policies) + len(others)
     base = costs.verify_cost(batch)  # the batch's call at K = 0
     shares = f"c_draft(K)/c_verify={draft / base:.2f} c_verify(K)/c_verify(0)={verify / base:.2f}"
@@ -305,6 +312,11 @@ def _priced(policies, contexts, capped, costs: StepCosts, others) -> list[Decisi
         f"{size}{note}{c.source} alpha={alpha:.2f} {shares} -> {rate:.1f} tok/s"
         for (_, note), c, alpha in zip(capped, contexts, alphas, strict=True)
     ]
+    if refresh:
+        age = costs.verify_age(verify_rows(ks, others))
+        reasons = [f"{why}; re-timing the call without drafts, {age} rounds old" for why in reasons]
+        for policy, source in zip(policies, sources, strict=True):
+            policy.refreshing = source == "model"
     return _probed(policies, contexts, caps, ks, reasons, costs, batch, draft + verify)
 
 
@@ -349,6 +361,24 @@ def _keep_course(options: list[tuple], sources: Sequence[str], drafting: bool) -
         return chosen
     stay = _best(same)
     return chosen if chosen[0] > SWITCH_GAIN * stay[0] else stay
+
+
+def _refresh(options: list[tuple], chosen: tuple, sources: Sequence[str], others, costs):
+    """The best option without the model's drafts, for one round, where the chosen one drafts
+    by the model, prices within REFRESH_MARGIN of it, and its verify call was last timed
+    STALE_AFTER rounds ago or more; else None. Only the calls in use are timed again, and a
+    shared machine's speed drifts by tens of percent within minutes: at 4 clients the target
+    alone's call kept the price of a slow spell (187 ms where its rounds took 167) while the
+    drafting rounds were timed afresh, and adaptive drafted at 0.93x the target alone. One
+    round in STALE_AFTER costs at most a sixth of a round."""
+    if not _model_drafts(chosen, sources):
+        return None
+    alone = [option for option in options if not _model_drafts(option, sources)]
+    if not alone:
+        return None
+    best = _best(alone)
+    stale = costs.verify_age(verify_rows(best[3], others)) >= STALE_AFTER
+    return best if stale and REFRESH_MARGIN * best[0] >= chosen[0] else None
 
 
 def _best(options: list[tuple]) -> tuple:

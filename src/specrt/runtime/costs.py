@@ -6,28 +6,17 @@ of B requests with K drafts each carries B·(K+1) rows (padding included), a dra
 per drafting request. Both curves are measured, not modelled: weight-streaming float32 kernels
 make a 9-row call cost ~1.5x a 1-row call, int4 kernels that are compute-bound past one row 3x or
 more, and no single formula fits both. `measure_costs` measures a grid of batch shapes once at
-load; each round then refines what it used (EWMA). Counts never measured are interpolated
+load; each round then refines the count it used (EWMA). Counts never measured are interpolated
 linearly between measured neighbours, or extrapolated from the last two. A call with more rows
 never costs less than one with fewer (it could be padded), so a count is never priced above a
-larger count's measurement. On a shared machine noise only ever adds time, so one slow sample
-must not price a K out of reach for good: a sample counts at most `SPIKE` times the estimate it
-refines (one stall moves it 15 %; a lasting slowdown still shows within a few rounds), and
-calibration keeps the fastest of its repeats at every batch size.
-
-A verify call's price is the calibrated curve's (its shape, by rows) plus a `shift` that every
-call moves: what the calls cost now beyond the curve. Two things move every count alike, and
-only the counts in use are ever timed: a long context (attention over 4,000 tokens added ~50 ms
-to every call, where the curve, timed after 48 tokens, had 1 row 87 ms and 3 rows 112) and the
-machine's drift (tens of percent within minutes). Refined count by count (until this shift),
-the counts in use rose with both and the others kept their calibrated time; since no count is
-priced above a larger one, after a 4,000-token question every small count was priced at the
-3-row call's 112 ms, drafting's wider call seemed free (K = 2 drafted where its rounds ran at
-0.7-0.8x K = 1's), and the target alone's call moved only when a round was spent timing it
-again. The shape itself is calibration's: with one count in use, a drift and that count's own
-error look the same, and a shape refined by the count in use took a share of every drift for
-good. What a long context adds per row (attention grows with rows x context: at 4,000 tokens 3
-rows cost 47 ms more than 1, calibrated 25) is not priced: drafting's extra rows there are
-priced a little cheap (6 % of a round at K = 2).
+larger count's measurement. On a shared machine noise only ever adds time, and only the counts
+the policy picks get measured again, so one slow sample must not price a K out of reach for
+good: a sample counts at most `SPIKE` times the estimate it refines (one stall moves it 15 %; a
+lasting slowdown still shows within a few rounds), and calibration keeps the fastest of its
+repeats at every batch size. The same drift leaves the counts nobody uses at the speed of the
+hour they were timed in: a verify count untimed for STALE_AFTER rounds is stale, the policy
+times it again where it is a close alternative (see the controller's `_refresh`), and a faster
+time replaces its price.
 
 A lookup (n-gram, prediction) costs nothing next to a call (about 0.05 ms at 2,048 tokens).
 """
@@ -41,6 +30,7 @@ from specrt.engines.base import Engine
 
 SMOOTHING = 0.3  # weight of a new observation: follows load changes within a few rounds
 SPIKE = 1.5  # an observation counts at most this many times the estimate it refines
+STALE_AFTER, STALE_WEIGHT = 16, 0.5  # rounds untimed after which a verify count is stale
 PREFIX = 48  # tokens of context behind a calibration call, a typical short prompt
 # Draft calls of this many new tokens in one row: the curve a catch-up (the prompt, rounds served
 # by a lookup or at K = 0) is priced on, extrapolated past 33 until the rounds measure catch-ups
@@ -54,8 +44,9 @@ class StepCosts:
     """Seconds per draft-model step by its rows, and per verify call by its rows."""
 
     draft: dict[int, float] = field(default_factory=dict)
-    verify: dict[int, float] = field(default_factory=dict)  # the verify curve's shape
-    shift: float = 0.0  # seconds every verify call costs now beyond that curve
+    verify: dict[int, float] = field(default_factory=dict)
+    rounds: int = 0  # verify calls timed since calibration: the clock of `verify_age`
+    timed: dict[int, int] = field(default_factory=dict)  # verify rows: the round last timed
 
     def ready_for(self, source: str) -> bool:
         """Whether a round drafted by source can be priced yet."""
@@ -80,27 +71,33 @@ class StepCosts:
         return max(_price(self.draft, lag) - _price(self.draft, 1), 0.0)
 
     def verify_cost(self, rows: int) -> float:
-        """c_verify for a call of `rows` rows: the curve's shape plus the shift of now."""
-        return max(_price(self.verify, rows) + self.shift, 1e-9)
+        """c_verify for a call of `rows` rows, from the measured curve."""
+        return _price(self.verify, rows)
 
     def observe_draft(self, rows: int, seconds: float) -> None:
         """One batched draft step of `rows` rows (its padding included)."""
         self.draft[rows] = _blend(self.draft.get(rows), seconds)
 
     def observe_verify(self, rows: int, seconds: float) -> None:
-        """One verify call: what it cost beyond its price moves the shift, every count's
-        (see the module's docstring). A count the curve lacks (a runtime never calibrated,
-        a batch shape calibration skipped) joins its shape at its time less the shift."""
-        expected = self.verify_cost(rows) if self.verify else seconds
-        seconds = min(seconds, SPIKE * expected)
-        if rows in self.verify:
-            self.shift += SMOOTHING * (seconds - expected)
+        """One verify call. A stale count's price is from another spell of the machine's
+        load: a faster time replaces it (noise only ever adds time), a slower one counts
+        STALE_WEIGHT. Blended like a fresh count's, a price 15 % dear took five re-timings, 84
+        rounds, to give way to the faster call (tests/test_controller.py's case)."""
+        old = self.verify.get(rows)
+        if old is not None and self.verify_age(rows) >= STALE_AFTER:
+            self.verify[rows] = seconds if seconds < old else _blend(old, seconds, STALE_WEIGHT)
         else:
-            self.verify[rows] = max(seconds - self.shift, 1e-9)
+            self.verify[rows] = _blend(old, seconds)
+        self.rounds += 1
+        self.timed[rows] = self.rounds
+
+    def verify_age(self, rows: int) -> int:
+        """Rounds since a verify call of `rows` rows was last timed (calibration is round 0,
+        and so is a count never timed: it is as old as the runtime)."""
+        return self.rounds - self.timed.get(rows, 0)
 
     def curve(self) -> dict[int, float]:
-        """The verify prices of the counts measured, as of now."""
-        return {rows: self.verify_cost(rows) for rows in sorted(self.verify)}
+        return dict(sorted(self.verify.items()))
 
     @property
     def draft_step(self) -> float | None:

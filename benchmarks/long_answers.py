@@ -43,7 +43,7 @@ def speculation_row(
     prompts = [task_prompt(task, first.tokenizer.decode(cut)) for cut in cuts]
     encoded = first.encode(prompts[0])
     row = {"size": size, "prompt_ids": encoded, "prompt_tokens": len(encoded)}
-    row.update(window=DRAFT_WINDOW, clients=clients)
+    row.update(window=DRAFT_WINDOW, clients=clients, interleaved=True)
     options = {name: _options(name, rt) for name, rt in runtimes.items()}
     calibrated = {name: copy.deepcopy(rt.costs) for name, rt in runtimes.items()}
     waited = {}
@@ -74,14 +74,21 @@ def _options(name: str, rt) -> dict:
     return {} if name == "adaptive" else {"controller": name}
 
 
-def _run_alone(rt, prompts: list, answer: int, options: dict) -> None:
-    """The prompts at once in this runtime, to the end of their answers."""
+def _seated(rt, prompts: list, answer: int, options: dict) -> tuple:
+    """A scheduler of this runtime with the prompts added, each prompt fed whole, and their
+    sequences."""
     from specrt.runtime import Scheduler
 
     scheduler = Scheduler(rt.target, rt.costs, slots=len(prompts), chunk=None)
     sequences = [rt.sequence(p, max_new_tokens=answer, ignore_eos=True, **options) for p in prompts]
     for sequence in sequences:
         scheduler.add(sequence)
+    return scheduler, sequences
+
+
+def _run_alone(rt, prompts: list, answer: int, options: dict) -> None:
+    """The prompts at once in this runtime, to the end of their answers."""
+    scheduler, _ = _seated(rt, prompts, answer, options)
     while scheduler.busy:
         scheduler.step()
 
@@ -93,7 +100,6 @@ def _interleaved(runtimes: dict, calibrated: dict, prompts: list, answer: int, o
     calibrated costs, a fresh acceptance pool and empty draft slots (a run that found the last
     one's window there read it for free); its speed is its tokens after each request's first
     over the seconds of its own rounds (the prompts, in the slots, only set the first)."""
-    from specrt.runtime import Scheduler
     from specrt.runtime.pool import PooledAcceptance
 
     schedulers, sequences, seconds = {}, {}, dict.fromkeys(runtimes, 0.0)
@@ -101,12 +107,7 @@ def _interleaved(runtimes: dict, calibrated: dict, prompts: list, answer: int, o
         rt.costs, rt.acceptance = copy.deepcopy(calibrated[name]), PooledAcceptance()
         for slot in range(rt.draft.slots):
             rt.draft.reset(slot)
-        schedulers[name] = Scheduler(rt.target, rt.costs, slots=len(prompts), chunk=None)
-        sequences[name] = [
-            rt.sequence(p, max_new_tokens=answer, ignore_eos=True, **options[name]) for p in prompts
-        ]
-        for sequence in sequences[name]:
-            schedulers[name].add(sequence)
+        schedulers[name], sequences[name] = _seated(rt, prompts, answer, options[name])
     while any(s.busy for s in schedulers.values()):
         for name, scheduler in schedulers.items():
             if scheduler.busy:
@@ -256,7 +257,7 @@ def _requests(result: dict) -> str:
 
 def _turns(result: dict) -> str:
     repeat = result.get("repeat", 1)
-    if result["rows"] and "clients" not in result["rows"][0]:  # the runs took whole turns
+    if not result["rows"] or not result["rows"][0].get("interleaved"):  # whole runs in turn
         return "" if repeat == 1 else f"{repeat} turns of the runs, one after another. "
     each = f"; {repeat} turns, each cell's speed their mean, each turn's in brackets" * (repeat > 1)
     return (

@@ -407,6 +407,36 @@ def test_a_stale_count_takes_a_faster_time_and_half_a_slower_one():
     assert costs.verify_cost(4) == pytest.approx(0.7 * 0.25 + 0.3 * 0.30)
 
 
+def test_the_counts_not_in_use_are_priced_at_the_scale_of_those_that_are():
+    """After a long prompt every call is slower (here 45 %), but only the count in use is
+    timed: the others are priced at its scale, so K = 0 stays cheaper than K = 1 and K = 2
+    dearer. Control: refined one by one, the 2-row call took the unused 3-row call's
+    calibration (no count is priced above a larger one): K = 1 and K = 2 cost the same."""
+    shape = dict(gguf_costs().verify)
+    costs = StepCosts(verify=dict(shape))
+    for _ in range(2 * STALE_AFTER):
+        costs.observe_verify(2, 1.45 * shape[2])
+    for rows in (1, 2, 3, 8):
+        assert costs.verify_cost(rows) == pytest.approx(1.45 * shape[rows], rel=0.01)
+    assert costs.verify_cost(1) < costs.verify_cost(2) < costs.verify_cost(3)
+
+
+def test_a_drift_scales_the_wide_calls_a_batch_does_not_make():
+    """8 clients at K = 0 on a compute-bound curve, and the machine slows by 30 %: the 16-row
+    call a round at K = 1 would make, untimed, is priced 30 % dearer too. (A shift learnt on
+    the 8-row calls added their 41 ms to it, 18 % where 30 % was due, and the batch drafted at
+    0.82x the target alone.) Once timed again, a count's own time corrects its shape."""
+    shape = dict(gguf_costs().verify)
+    costs = StepCosts(verify=dict(shape))
+    for _ in range(STALE_AFTER):
+        costs.observe_verify(8, 1.3 * shape[8])
+    assert costs.verify_cost(8) == pytest.approx(1.3 * shape[8], rel=0.02)
+    assert costs.verify_cost(16) == pytest.approx(1.3 * shape[16], rel=0.02)
+    costs.observe_verify(16, 1.2 * shape[16])  # stale: its calibration was 8 % dear
+    assert costs.verify[16] == pytest.approx(1.2 / 1.3 * shape[16], rel=0.02)
+    assert costs.verify_cost(16) == pytest.approx(1.2 * shape[16], rel=0.02)
+
+
 def test_no_probe_where_it_would_widen_a_compute_bound_call():
     """In a batch of 16 at K = 0, one probe makes the call 32 rows (twice the cost here):
     the batch would pay for one request's curiosity, so nobody probes."""

@@ -7,21 +7,18 @@ import pytest
 from fixed_costs import flat_costs, gguf_costs
 
 from specrt.runtime import SpeculativeRuntime
-from specrt.runtime.controller import (
+from specrt.runtime.controller import Adaptive, Fixed, Heuristic, make_controller
+from specrt.runtime.costs import STALE_AFTER, StepCosts
+from specrt.runtime.joint import (
     K_MARGIN,
     PROBE_AFTER,
     REFRESH_MARGIN,
     SWITCH_GAIN,
     WARM_UP_K,
-    Adaptive,
-    Fixed,
-    Heuristic,
-    RoundContext,
     decide_round,
     decide_together,
-    make_controller,
 )
-from specrt.runtime.costs import STALE_AFTER, StepCosts
+from specrt.runtime.policy import RoundContext
 from specrt.runtime.pool import PooledAcceptance
 from specrt.runtime.pricing import expected_tokens, first_step_rows, price_round
 
@@ -389,7 +386,7 @@ def test_a_stale_price_of_the_target_alone_is_timed_again(monkeypatch):
     ks = _drafting_rounds(stale(), truth, 0.75, 3 * STALE_AFTER)
     assert min(ks[:STALE_AFTER]) >= 1 and ks[STALE_AFTER] == 0  # the re-timing round
     assert ks[STALE_AFTER + 1 :] == [0] * (2 * STALE_AFTER - 1)
-    monkeypatch.setattr("specrt.runtime.controller.REFRESH_MARGIN", 0.0)
+    monkeypatch.setattr("specrt.runtime.joint.REFRESH_MARGIN", 0.0)
     assert min(_drafting_rounds(stale(), truth, 0.75, 3 * STALE_AFTER)) >= 1
 
 

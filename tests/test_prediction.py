@@ -16,8 +16,8 @@ from servers import client, serving, wait_healthy
 from specrt.cli import cli
 from specrt.errors import SpecrtError
 from specrt.runtime import Scheduler, SpeculativeRuntime
-from specrt.runtime.controller import Decision
 from specrt.runtime.drafters import Offer
+from specrt.runtime.policy import Decision
 from specrt.runtime.prediction import PredictionDrafter
 from specrt.runtime.prompt_cache import PromptCache
 from specrt.runtime.sampling import SamplingParams

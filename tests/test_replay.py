@@ -12,7 +12,8 @@ from fixed_costs import FixedCosts, flat_costs, gguf_costs
 
 from specrt.errors import SpecrtError
 from specrt.runtime import SpeculativeRuntime
-from specrt.runtime.controller import PROBE_AFTER, Adaptive
+from specrt.runtime.controller import Adaptive
+from specrt.runtime.joint import PROBE_AFTER
 from specrt.runtime.pool import PooledAcceptance
 from specrt.tools import replay
 

@@ -21,7 +21,7 @@ calibration, and since no count is priced above a larger one, every smaller coun
 3-row call's price: K = 0 and K = 2 cost the same. A scale, not a shift: a drift scales every
 call, and a shift learnt on a batch's narrow calls underpriced its compute-bound wide ones
 (8 clients drafted at K 1.35, 0.82x the target alone). A count untimed for STALE_AFTER rounds is
-stale: timed again (see the controller's `_refresh`), its time at its neighbours' scale corrects
+stale: timed again (see joint.py's `_refresh`), its time at its neighbours' scale corrects
 its shape (a faster time replaces it, noise only ever adds time; a slower one counts
 STALE_WEIGHT). On a shared machine a sample counts at most `SPIKE` times the estimate it refines
 (one stall moves it 15 %; a lasting slowdown still shows within a few rounds), and calibration

@@ -23,9 +23,9 @@ from dataclasses import asdict, dataclass, field, replace
 import numpy as np
 
 from specrt.runtime.constraints import Constraints
-from specrt.runtime.controller import Policy
 from specrt.runtime.drafters import Drafter
 from specrt.runtime.logprobs import TokenLogprob
+from specrt.runtime.policy import Policy
 from specrt.runtime.prompt_cache import PromptCache
 from specrt.runtime.sampling import SamplingParams
 from specrt.runtime.stops import StopRules

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 from specrt.engines.base import Engine
 from specrt.runtime.acceptance import verify_greedy, verify_sampled
-from specrt.runtime.controller import Decision, RoundContext, decide_round
 from specrt.runtime.costs import StepCosts
 from specrt.runtime.drafters import (
     DraftJob,
@@ -29,7 +28,9 @@ from specrt.runtime.drafters import (
     draft_together,
     draw,
 )
+from specrt.runtime.joint import decide_round
 from specrt.runtime.logprobs import TokenLogprob, token_logprobs
+from specrt.runtime.policy import Decision, RoundContext
 from specrt.runtime.prompt_cache import take_slot
 from specrt.runtime.sequence import Sequence
 

@@ -1,0 +1,204 @@
+"""How the adaptive requests of a round choose K together (see controller.py's `Adaptive`):
+the policies that decide alone first, then one K for the adaptive requests drafting by the
+model and one for those drafting for free, priced as one round (pricing.py), kept on course
+where the choice is within noise, a stale call timed again, and a probe where one is cheap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from specrt.runtime.costs import STALE_AFTER, StepCosts
+from specrt.runtime.policy import Decision, Policy, RoundContext
+from specrt.runtime.pricing import ROUND_LAG, price_round, verify_rows
+
+if TYPE_CHECKING:
+    from specrt.runtime.controller import Adaptive
+
+PROBE_AFTER = 16  # rounds at K = 0 after which an adaptive request drafts one token again...
+PROBE_COST = 1.1  # ...in a batch, if the wider call costs at most this much more than its round
+PROBE_SHARE = 0.03  # alone, if its extra cost is at most this share of the rounds it waited
+SWITCH_GAIN = 1.05  # a batch starts or stops the model's drafts only for this much more tok/s
+K_MARGIN = 0.03  # options priced within this share of the best are equal: the fewest drafts win
+REFRESH_MARGIN = 1.15  # a stale call (costs.STALE_AFTER) is re-timed if it prices this close
+WARM_UP_K = 4  # drafts a round takes while a source cannot be priced yet
+
+
+def decide_round(policies: Sequence[Policy], contexts: Sequence[RoundContext], costs: StepCosts):
+    """Each request's K for one round of a batch: the policies that decide alone (fixed,
+    heuristic, a caller's own) first, then those that decide together, knowing the others' K."""
+    pairs = list(zip(policies, contexts, strict=True))
+    decisions = {i: p.decide(c) for i, (p, c) in enumerate(pairs) if not p.together}
+    joint = [i for i in range(len(pairs)) if i not in decisions]
+    if joint:
+        others = [d.k for d in decisions.values()]
+        together = decide_together(
+            [policies[i] for i in joint], [contexts[i] for i in joint], costs, others
+        )
+        decisions.update(zip(joint, together, strict=True))
+    return [decisions[i] for i in range(len(pairs))]
+
+
+def decide_together(
+    policies: Sequence[Adaptive],
+    contexts: Sequence[RoundContext],
+    costs: StepCosts,
+    others: Sequence[int] = (),
+) -> list[Decision]:
+    """One K for the adaptive requests of a batch that draft by the model and one for those
+    that draft for free (each capped by its own room), maximising the batch's expected tokens
+    per second; `others` are the K of the batch's other requests, which pad the verify call
+    and emit at least one token each. Requests whose source cannot be priced yet warm up
+    first (`_warm_ups`); the rest are priced knowing their K."""
+    capped = [p.cap(c) for p, c in zip(policies, contexts, strict=True)]
+    batch = len(policies) + len(others)
+    decisions = _warm_ups(policies, contexts, capped, costs, batch)
+    rest = [i for i in range(len(policies)) if i not in decisions]
+    if rest:
+        priced = _priced(
+            [policies[i] for i in rest],
+            [contexts[i] for i in rest],
+            [capped[i] for i in rest],
+            costs,
+            [*others, *(d.k for d in decisions.values())],
+        )
+        decisions.update(zip(rest, priced, strict=True))
+    return [decisions[i] for i in range(len(policies))]
+
+
+def _warm_ups(policies, contexts, capped, costs: StepCosts, batch: int) -> dict[int, Decision]:
+    """The requests that draft WARM_UP_K to learn, by index: those whose source has no cost
+    curve yet, and in a batch those whose runtime has not learnt the source's acceptance
+    (alone, a request learns by its probes; in a batch, no probe runs to learn)."""
+    decisions = {}
+    for i, (p, c, (cap, note)) in enumerate(zip(policies, contexts, capped, strict=True)):
+        if not costs.ready_for(c.source) or (batch > 1 and cap and p.learning(c.source)):
+            k = min(cap, max(min(p.k_min, cap), WARM_UP_K))
+            why = f"{note}warming up ({c.source} alpha={p.alpha(c.source):.2f})"
+            decisions[i] = Decision(k, why)
+    return decisions
+
+
+def _priced(policies, contexts, capped, costs: StepCosts, others) -> list[Decision]:
+    """The best-priced pair of K (model drafts, free drafts) for these requests, kept on course
+    (`_keep_course`), and a probe where one is cheap (`_probed`)."""
+    caps = [cap for cap, _ in capped]
+    lows = [min(p.k_min, cap) for p, cap in zip(policies, caps, strict=True)]
+    sources = [c.source for c in contexts]
+    alphas = [min(p.alpha(s), 0.999) for p, s in zip(policies, sources, strict=True)]
+    lags = [(c.lag, c.remaining) for c in contexts]
+    options = []
+    for k_model, k_free in _pairs_of_k(caps, sources):
+        ks = [
+            min(max(k_model if s == "model" else k_free, low), cap)
+            for s, low, cap in zip(sources, lows, caps, strict=True)
+        ]
+        options.append((*price_round(ks, alphas, sources, lags, others, costs), ks))
+    drafting = any(
+        p.last_k and c.lag <= ROUND_LAG + 1  # + 1: a round that re-timed the call (_refresh)
+        for p, c in zip(policies, contexts, strict=True)
+        if c.source == "model"
+    )
+    chosen = _keep_course(options, sources, drafting)
+    refresh = _refresh(options, chosen, sources, others, costs)
+    rate, draft, verify, ks = refresh or chosen
+    batch = len(policies) + len(others)
+    base = costs.verify_cost(batch)  # the batch's call at K = 0
+    shares = f"c_draft(K)/c_verify={draft / base:.2f} c_verify(K)/c_verify(0)={verify / base:.2f}"
+    size = f"batch {batch}: " if batch > 1 else ""
+    reasons = [
+        f"{size}{note}{c.source} alpha={alpha:.2f} {shares} -> {rate:.1f} tok/s"
+        for (_, note), c, alpha in zip(capped, contexts, alphas, strict=True)
+    ]
+    if refresh:
+        age = costs.verify_age(verify_rows(ks, others))
+        reasons = [f"{why}; re-timing the call without drafts, {age} rounds old" for why in reasons]
+        for policy, source in zip(policies, sources, strict=True):
+            policy.refreshing = source == "model"
+    return _probed(policies, contexts, caps, ks, reasons, costs, batch, draft + verify)
+
+
+def _probed(policies, contexts, caps, ks, reasons, costs: StepCosts, batch, price) -> list:
+    """The decisions, one request probing acceptance (K = 1) after PROBE_AFTER rounds without
+    drafts where that is cheap; an accepted probe lets the request price its drafts afresh
+    (`Adaptive.observe`). A probe widens the whole call to 2 tokens a row and may first catch
+    the draft model up on every token since it last drafted. In a batch everyone waits for
+    both, so a probe goes ahead only where the round stays within PROBE_COST of its price, one
+    request per round; alone, a request delays only itself: its probe's extra cost, spread
+    over the rounds it waited, must stay under PROBE_SHARE of a round. (Held to PROBE_COST
+    alone too, a request on a verify curve 12 % wider at 2 tokens never probed, and never
+    drafted again once it had stopped.)"""
+    wider = costs.verify_cost(batch * max(2, max(ks) + 1))
+    probed = False
+    decisions = []
+    for policy, k, cap, why, ctx in zip(policies, ks, caps, reasons, contexts, strict=True):
+        catch_up = costs.catch_up_cost(ctx.lag) if ctx.source == "model" else 0.0
+        if batch > 1:
+            cheap_probe = wider + catch_up <= PROBE_COST * price
+        else:
+            extra = wider - price + costs.draft_cost(ctx.source, 1) + catch_up
+            cheap_probe = extra <= PROBE_SHARE * price * policy.idle
+        if k == 0 and cap > 0 and policy.idle >= PROBE_AFTER and cheap_probe and not probed:
+            k, why = 1, f"{why}; probing acceptance after {policy.idle} rounds without drafts"
+            probed = policy.probing = True
+        decisions.append(Decision(k, why))
+    return decisions
+
+
+def _keep_course(options: list[tuple], sources: Sequence[str], drafting: bool) -> tuple:
+    """The best priced option (rate, draft, verify, ks; see `_best`), unless it starts
+    or stops the model's drafts for less than SWITCH_GAIN over the best option that does not.
+    Where drafting and the target alone price within noise of each other, the choice flipped
+    round by round, and every return to drafting first fed the draft model all it had missed:
+    adaptive drafted a mean K of 0.47 at 4 clients and ran at 0.81x the target alone, which
+    either course alone matched."""
+
+    chosen = _best(options)
+    same = [option for option in options if _model_drafts(option, sources) == drafting]
+    if _model_drafts(chosen, sources) == drafting or not same:
+        return chosen
+    stay = _best(same)
+    return chosen if chosen[0] > SWITCH_GAIN * stay[0] else stay
+
+
+def _refresh(options: list[tuple], chosen: tuple, sources: Sequence[str], others, costs):
+    """The best option without the model's drafts, for one round, where the chosen one drafts
+    by the model, prices within REFRESH_MARGIN of it, and its verify call was last timed
+    STALE_AFTER rounds ago or more; else None. Only the calls in use are timed again, and a
+    shared machine's speed drifts by tens of percent within minutes: at 4 clients the target
+    alone's call kept the price of a slow spell (187 ms where its rounds took 167) while the
+    drafting rounds were timed afresh, and adaptive drafted at 0.93x the target alone. One
+    round in STALE_AFTER costs at most a sixth of a round."""
+    if not _model_drafts(chosen, sources):
+        return None
+    alone = [option for option in options if not _model_drafts(option, sources)]
+    if not alone:
+        return None
+    best = _best(alone)
+    stale = costs.verify_age(verify_rows(best[3], others)) >= STALE_AFTER
+    return best if stale and REFRESH_MARGIN * best[0] >= chosen[0] else None
+
+
+def _best(options: list[tuple]) -> tuple:
+    """The option with the fewest drafts of those priced within K_MARGIN of the best. A price
+    errs more the more a round drafts (each step's seconds; an acceptance's error compounds in
+    alpha^K), so the best of near-equal prices is mostly the most flattered: at 2 clients the
+    policy took K = 3 on a 3 % edge where it realised 55-59 ms a token against K = 1's 53.5
+    (0.93-0.96x the best fixed K)."""
+    top = max(option[0] for option in options)
+    near = [option for option in options if (1 + K_MARGIN) * option[0] >= top]
+    return min(near, key=lambda option: (sum(option[3]), -option[0]))
+
+
+def _model_drafts(option: tuple, sources: Sequence[str]) -> bool:
+    return any(k and s == "model" for k, s in zip(option[3], sources, strict=True))
+
+
+def _pairs_of_k(caps, sources) -> list[tuple[int, int]]:
+    """The (K of model drafts, K of free drafts) to price: requests drafting by the model pay
+    for every step, those drafting by lookup or prediction do not, so each kind gets its own
+    K (one K for both would hold a 30-token prediction back to what the model's drafts earn)."""
+    model = max((c for c, s in zip(caps, sources, strict=True) if s == "model"), default=0)
+    free = max((c for c, s in zip(caps, sources, strict=True) if s != "model"), default=0)
+    return [(k_model, k_free) for k_model in range(model + 1) for k_free in range(free + 1)]

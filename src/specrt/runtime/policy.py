@@ -1,0 +1,38 @@
+"""What a policy sees of a round and answers, and the protocol a policy follows: the seam
+between the loop and the controllers (fixed, heuristic, adaptive, or a caller's own)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class RoundContext:
+    room: int  # the most drafts this request can take this round: its offer, budget, context
+    position: int  # tokens in the sequence so far (prompt + emitted)
+    remaining: int  # tokens its drafter may still serve: the budget or context room, less
+    # what a free source (a prediction) expects to serve, for free, after this round
+    source: str = "model"  # who drafts this round: "model", "ngram", ... (see drafters)
+    lag: int = 0  # tokens the draft model must catch up on before it drafts (model rounds)
+
+
+@dataclass(frozen=True)
+class Decision:
+    k: int
+    reason: str
+
+
+class Policy(Protocol):
+    """What picks one request's K: a decision a round, then what that round accepted (of the
+    drafts of `source`, the offer the round was decided for).
+
+    `together`: in a batch, its K is chosen with the batch's other such policies, priced as
+    one round (joint.py's `decide_together`); otherwise it decides alone, before them, and
+    they know its K."""
+
+    together: bool
+    confidence_threshold: float  # its draft stops where the draft's top probability is below
+
+    def decide(self, ctx: RoundContext) -> Decision: ...
+    def observe(self, k: int, accepted: int, source: str) -> None: ...

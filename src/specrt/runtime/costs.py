@@ -10,29 +10,31 @@ load. Counts never measured are interpolated linearly between measured neighbour
 extrapolated from the last two. A call with more rows never costs less than one with fewer (it
 could be padded), so a count is never priced above a larger count's price.
 
-The verify curve's calibration gives its shape; the calls in use give its level. Only the counts
-the policy picks are timed again, while the machine's load drifts (by tens of percent within
-minutes) and a long prompt slows every call (after 4,000 tokens of context the gguf target's
-calls took ~50 ms more than at the 48 of calibration). Both move every count at once, so each
-count timed lately keeps its own scale (its time over its shape, refined by every call: EWMA), and
-every other count is priced at the scale of the fresh count nearest to it in rows. Refined one
-by one instead, the counts in use rose with the context while unused larger ones kept their
-calibration, and since no count is priced above a larger one, every smaller count took the
-3-row call's price: K = 0 and K = 2 cost the same. A scale, not a shift: a drift scales every
-call, and a shift learnt on a batch's narrow calls underpriced its compute-bound wide ones
-(8 clients drafted at K 1.35, 0.82x the target alone). A count untimed for STALE_AFTER rounds is
-stale: timed again (see joint.py's `_refresh`), its time at its neighbours' scale corrects
-its shape (a faster time replaces it, noise only ever adds time; a slower one counts
-STALE_WEIGHT). On a shared machine a sample counts at most `SPIKE` times the estimate it refines
-(one stall moves it 15 %; a lasting slowdown still shows within a few rounds), and calibration
-keeps the fastest of its repeats at every batch size.
+Each round refines the count it used (EWMA), and only the counts the policy picks are timed
+again, while the machine's load drifts (by tens of percent within minutes) and a long prompt
+slows every call (after 4,000 tokens of context the gguf target's calls took ~50 ms more than at
+the 48 of calibration). So the counts in use carry the others: `drift` is how far they have
+moved since calibration (every fresh count's refinement multiplies it), and a count is priced
+at its own last time scaled by the drift since it was taken. Refined one by one alone, the
+counts in use rose with the context while unused larger ones kept their calibration, and since
+no count is priced above a larger one, every smaller count took the 3-row call's price: K = 0
+and K = 2 cost the same. Each count keeps its own time: priced as the calibrated curve's shape
+at the scale of the counts in use, 8 short-prompt clients kept going back to drafting (K 1.37,
+0.91x the target alone; its own times had held it at K 0.0-0.4). A scale, not a shift: a drift
+scales every call, and a shift learnt on a batch's narrow calls underpriced its compute-bound
+wide ones (K 1.35 there, 0.86x).
+A count untimed for STALE_AFTER rounds is stale: the policy times it again where it is a close
+alternative (see joint.py's `_refresh`), a faster time replaces its price (noise only ever adds
+time), a slower one counts STALE_WEIGHT, and neither moves the drift (the gap is the count's own
+error). On a shared machine a sample counts at most `SPIKE` times the estimate it refines (one
+stall moves it 15 %; a lasting slowdown still shows within a few rounds), and calibration keeps
+the fastest of its repeats at every batch size.
 
 A lookup (n-gram, prediction) costs nothing next to a call (about 0.05 ms at 2,048 tokens).
 """
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -54,8 +56,9 @@ class StepCosts:
     """Seconds per draft-model step by its rows, and per verify call by its rows."""
 
     draft: dict[int, float] = field(default_factory=dict)
-    verify: dict[int, float] = field(default_factory=dict)  # its shape, as calibrated
-    scale: dict[int, float] = field(default_factory=dict)  # verify rows: time / shape, lately
+    verify: dict[int, float] = field(default_factory=dict)  # by rows: its own time, lately
+    drift: float = 1.0  # how far the counts in use moved since calibration (a product)
+    at: dict[int, float] = field(default_factory=dict)  # verify rows: the drift when last timed
     rounds: int = 0  # verify calls timed since calibration: the clock of `verify_age`
     timed: dict[int, int] = field(default_factory=dict)  # verify rows: the round last timed
 
@@ -82,33 +85,31 @@ class StepCosts:
         return max(_price(self.draft, lag) - _price(self.draft, 1), 0.0)
 
     def verify_cost(self, rows: int) -> float:
-        """c_verify for a call of `rows` rows: the curve's shape at the scale its fresh calls
-        run at (`_level`), and never above a larger count's price."""
-        fresh = self._fresh()
-        larger = [n for n in self.verify if n > rows]
-        return min(self._scaled(n, fresh) for n in [rows, *larger])
+        """c_verify for a call of `rows` rows, from the measured curve carried by the drift."""
+        return _price(self.curve(), rows)
 
     def observe_draft(self, rows: int, seconds: float) -> None:
         """One batched draft step of `rows` rows (its padding included)."""
         self.draft[rows] = _blend(self.draft.get(rows), seconds)
 
     def observe_verify(self, rows: int, seconds: float) -> None:
-        """One verify call. A fresh count's time refines its scale; a count new to the curve
-        joins its shape, and a stale one corrects it (module docstring), at the scale its
-        neighbours run at: that is what the call was priced at, and what its scale becomes.
-        Blended like a fresh count's, a price 15 % dear took five re-timings, 84 rounds, to
-        give way to the faster call (tests/test_controller.py's case)."""
-        level = self._level(rows, self._fresh())
-        shape = self.verify.get(rows)
-        if shape is None:
-            self.verify[rows] = seconds / level
-            self.scale[rows] = level
-        elif self.verify_age(rows) >= STALE_AFTER:
-            own = seconds / level
-            self.verify[rows] = own if own < shape else _blend(shape, own, STALE_WEIGHT)
-            self.scale[rows] = level
+        """One verify call: refines its count, and where that count is fresh, the drift (see
+        the module docstring). A stale count's price is from another spell of the machine's
+        load: a faster time replaces it (noise only ever adds time), a slower one counts
+        STALE_WEIGHT. Blended like a fresh count's, a price 15 % dear took five re-timings, 84
+        rounds, to give way to the faster call (tests/test_controller.py's case)."""
+        old = self.verify.get(rows)
+        if old is None:
+            new = seconds
         else:
-            self.scale[rows] = _blend(self.scale.get(rows, level), seconds / shape)
+            old *= self.drift / self.at.get(rows, 1.0)
+            if self.verify_age(rows) >= STALE_AFTER:
+                new = seconds if seconds < old else _blend(old, seconds, STALE_WEIGHT)
+            else:
+                new = _blend(old, seconds)
+                self.drift *= new / old
+        self.verify[rows] = new
+        self.at[rows] = self.drift
         self.rounds += 1
         self.timed[rows] = self.rounds
 
@@ -118,25 +119,9 @@ class StepCosts:
         return self.rounds - self.timed.get(rows, 0)
 
     def curve(self) -> dict[int, float]:
-        """The verify price of each count of the curve, as priced now."""
-        return {n: self.verify_cost(n) for n in sorted(self.verify)}
-
-    def _fresh(self) -> list[int]:
-        """The counts timed within STALE_AFTER rounds: the scales the machine runs at now."""
-        return [n for n in self.scale if self.verify_age(n) < STALE_AFTER]
-
-    def _level(self, rows: int, fresh: list[int]) -> float:
-        """The scale a count is priced at: its own while fresh, else that of the fresh count
-        nearest in rows (the latest timed where none is fresh; 1 before any call)."""
-        if rows in fresh:
-            return self.scale[rows]
-        if not fresh:
-            return self.scale[max(self.scale, key=self.timed.__getitem__)] if self.scale else 1.0
-        near = min(fresh, key=lambda n: (abs(math.log(n / rows)), self.verify_age(n)))
-        return self.scale[near]
-
-    def _scaled(self, rows: int, fresh: list[int]) -> float:
-        return _interpolate(self.verify, rows) * self._level(rows, fresh)
+        """Each measured count's price now: its own time, scaled by the drift since."""
+        drift, at = self.drift, self.at
+        return {n: t * drift / at.get(n, 1.0) for n, t in sorted(self.verify.items())}
 
     @property
     def draft_step(self) -> float | None:

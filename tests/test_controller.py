@@ -8,7 +8,7 @@ from fixed_costs import flat_costs, gguf_costs
 
 from specrt.runtime import SpeculativeRuntime
 from specrt.runtime.controller import Adaptive, Fixed, Heuristic, make_controller
-from specrt.runtime.costs import STALE_AFTER, StepCosts
+from specrt.runtime.costs import SPIKE, STALE_AFTER, StepCosts
 from specrt.runtime.joint import (
     K_MARGIN,
     PROBE_AFTER,
@@ -390,7 +390,10 @@ def test_a_stale_price_of_the_target_alone_is_timed_again(monkeypatch):
     assert min(_drafting_rounds(stale(), truth, 0.75, 3 * STALE_AFTER)) >= 1
 
 
-def test_a_stale_count_takes_a_faster_time_and_half_a_slower_one():
+def test_a_stale_count_takes_its_new_time_faster_or_slower():
+    """A count not in use is priced at its last time, as the one in use is priced at its
+    recent ones: taking only a faster time priced it at its luckiest call (its control: the
+    slower time must move it). A stall is capped at SPIKE times the old price."""
     costs = StepCosts(verify={4: 0.30, 8: 0.40})
     for _ in range(STALE_AFTER):
         costs.observe_verify(8, 0.40)
@@ -398,10 +401,15 @@ def test_a_stale_count_takes_a_faster_time_and_half_a_slower_one():
     assert costs.verify_cost(4) == pytest.approx(0.20)
     for _ in range(STALE_AFTER):
         costs.observe_verify(8, 0.40)
-    costs.observe_verify(4, 0.30)  # or slower again
+    costs.observe_verify(4, 0.25)  # or slower again
     assert costs.verify_cost(4) == pytest.approx(0.25)
     costs.observe_verify(4, 0.30)  # timed just now: a fresh count blends
-    assert costs.verify_cost(4) == pytest.approx(0.7 * 0.25 + 0.3 * 0.30)
+    assert costs.verify_cost(4) == pytest.approx(0.7 * 0.25 + 0.3 * 0.30, rel=0.01)
+    for _ in range(STALE_AFTER):
+        costs.observe_verify(8, 0.40)
+    before = costs.verify_cost(4)
+    costs.observe_verify(4, 1.0)  # a stall
+    assert costs.verify_cost(4) == pytest.approx(SPIKE * before)
 
 
 def test_the_counts_not_in_use_are_priced_at_the_scale_of_those_that_are():

@@ -94,9 +94,11 @@ def test_a_window_too_small_is_refused(bundles, runtimes):
 @pytest.fixture
 def small_scout(monkeypatch):
     """The scout's sizes scaled to the tiny models' 128-token context: prompts the draft would
-    read more than 16 tokens of are first read as their last 8, until 2 drafts were kept, and
-    the window is offered while the answer left is a quarter of what it must read."""
+    read more than 16 tokens of are first read as their last 8 (and read afresh as their last
+    8 where the draft fell further behind), until 2 drafts were kept, and the window is offered
+    while the answer left is a quarter of what it must read."""
     monkeypatch.setattr(drafters, "SCOUT", 8)
+    monkeypatch.setattr(drafters, "RESCOUT", 8)
     monkeypatch.setattr(drafters, "SCOUT_FROM", 16)
     monkeypatch.setattr(drafters, "SCOUT_KEPT", 2)
     monkeypatch.setattr(drafters, "WIDEN_LEFT", 0.25)
@@ -141,7 +143,7 @@ def test_a_long_prompt_is_scouted_then_its_window_offered(runtimes, small_scout)
 
 
 def test_a_draft_far_behind_reads_a_new_scout(runtimes, small_scout):
-    """After rounds without drafts, a long prompt's draft model more than SCOUT tokens behind
+    """After rounds without drafts, a long prompt's draft model more than RESCOUT tokens behind
     reads the sequence's end afresh (sinks kept) instead of all it missed; declined, it stays
     as it was. Control: a short prompt's draft catches up on everything."""
     rt = runtimes["llama"]

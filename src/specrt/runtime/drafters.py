@@ -39,6 +39,7 @@ DRAFT_WINDOW = 512
 # Past SCOUT_FROM tokens the draft reads a prompt's last SCOUT (sinks included) until SCOUT_KEPT
 # of its drafts were kept, then its window while the answer left is WIDEN_LEFT times its lag.
 SCOUT, SCOUT_FROM, SCOUT_KEPT, WIDEN_LEFT = 32, 256, 8, 1.0
+RESCOUT = 20  # ...and, having fallen further behind, its sequence's last RESCOUT (sinks included)
 
 
 @dataclass(frozen=True)
@@ -175,14 +176,18 @@ class ModelDrafter:
     def _view(self, seq: Sequence[int], limit: int, held: int) -> int | None:
         """The skip a draft this round would read from where it moves (None: it reads on): the
         window (see `start`), or a new scout of the sequence's end where a long prompt's draft
-        model is more than SCOUT tokens behind what it read. A request that stopped drafting
+        model is more than RESCOUT tokens behind what it read. A request that stopped drafting
         first fed it every token since, more than a probe may cost (3.4 ms a token against 3 %
-        of a 100 ms round waited), so it never drafted again; a new scout costs the same."""
+        of a 100 ms round waited), so it never drafted again. A new scout as long as the
+        prompt's (32 tokens, 160 ms on the default pair) let a probe go ahead only every ~50
+        rounds: after a summary's badly guessed opening, adaptive came back to drafting late
+        or never (0.89-0.92x fixed K = 1). Shorter (12 tokens), the draft guessed worse once
+        back (kept 0.33 where fixed K = 1 kept 0.51 on the same text)."""
         wide = len(seq) - self.wide_skip - min(held, SINKS)  # the sinks, window and what followed
         if self.skip > self.wide_skip and self.kept >= SCOUT_KEPT and limit >= WIDEN_LEFT * wide:
             return self.wide_skip
-        if self.scout and self.skip and held >= SINKS and len(seq) - self.skip - held > SCOUT:
-            return len(seq) - SCOUT
+        if self.scout and self.skip and held >= SINKS and len(seq) - self.skip - held > RESCOUT:
+            return len(seq) - RESCOUT
         return None
 
     def feed(self, seq: Sequence[int]) -> Sequence[int]:

@@ -125,10 +125,11 @@ def _probed(policies, contexts, caps, ks, reasons, costs: StepCosts, batch, pric
     (`Adaptive.observe`). A probe widens the whole call to 2 tokens a row and may first catch
     the draft model up on every token since it last drafted. In a batch everyone waits for
     both, so a probe goes ahead only where the round stays within PROBE_COST of its price, one
-    request per round; alone, a request delays only itself: its probe's extra cost, spread
-    over the rounds it waited, must stay under PROBE_SHARE of a round. (Held to PROBE_COST
-    alone too, a request on a verify curve 12 % wider at 2 tokens never probed, and never
-    drafted again once it had stopped.)"""
+    request per round; alone, a request delays only itself: its probe's extra cost, less
+    the draft it expects to keep, spread over the rounds it waited, must stay under
+    PROBE_SHARE of a round. (Held to PROBE_COST alone too, a request on a verify curve 12 %
+    wider at 2 tokens never probed, and never drafted again once it had stopped. Not
+    crediting the draft it keeps, a probe at acceptance 0.4 was priced 45 ms dear in 200.)"""
     wider = costs.verify_cost(batch * max(2, max(ks) + 1))
     probed = False
     decisions = []
@@ -138,6 +139,7 @@ def _probed(policies, contexts, caps, ks, reasons, costs: StepCosts, batch, pric
             cheap_probe = wider + catch_up <= PROBE_COST * price
         else:
             extra = wider - price + costs.draft_cost(ctx.source, 1) + catch_up
+            extra -= policy.alpha(ctx.source) * price  # the draft it keeps: a round's token
             cheap_probe = extra <= PROBE_SHARE * price * policy.idle
         if k == 0 and cap > 0 and policy.idle >= PROBE_AFTER and cheap_probe and not probed:
             k, why = 1, f"{why}; probing acceptance after {policy.idle} rounds without drafts"

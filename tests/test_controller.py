@@ -8,7 +8,7 @@ from fixed_costs import flat_costs, gguf_costs
 
 from specrt.runtime import SpeculativeRuntime
 from specrt.runtime.controller import Adaptive, Fixed, Heuristic, make_controller
-from specrt.runtime.costs import SPIKE, STALE_AFTER, StepCosts
+from specrt.runtime.costs import STALE_AFTER, StepCosts
 from specrt.runtime.joint import (
     K_MARGIN,
     PROBE_AFTER,
@@ -221,6 +221,22 @@ def test_a_request_without_drafts_is_probed_now_and_then():
     assert decision.k == 1 and "probing" in decision.reason
 
 
+def test_a_probe_is_priced_net_of_the_draft_it_expects_to_keep():
+    """Alone on the gguf curves, 29 rounds without drafts and 16 tokens for the draft model to
+    catch up on: a probe costs 71 ms beyond its round, 52 ms less the draft a request at
+    acceptance 0.3 expects to keep (0.3 of a 61 ms round), within 3 % of the rounds it waited
+    (53 ms). Control: at acceptance 0.01 the same probe waits on."""
+    ctx = RoundContext(room=8, position=2000, remaining=256, lag=16)
+    decisions = []
+    for alpha in (0.3, 0.01):
+        policy = Adaptive(costs=gguf_costs(), prior_alpha=alpha)
+        policy.idle = 29
+        decisions.append(policy.decide(ctx))
+    assert [d.k for d in decisions] == [1, 0] and "probing" in decisions[0].reason
+    policy.idle = 40  # and probes once it has waited longer
+    assert policy.decide(ctx).k == 1
+
+
 def test_the_first_draft_step_is_priced_with_what_the_draft_has_not_read():
     """A round that kept every draft leaves the draft model two tokens to read, so in a batch
     the first draft step is about twice as wide as the rest. The curves are the gguf 1.5B
@@ -390,10 +406,7 @@ def test_a_stale_price_of_the_target_alone_is_timed_again(monkeypatch):
     assert min(_drafting_rounds(stale(), truth, 0.75, 3 * STALE_AFTER)) >= 1
 
 
-def test_a_stale_count_takes_its_new_time_faster_or_slower():
-    """A count not in use is priced at its last time, as the one in use is priced at its
-    recent ones: taking only a faster time priced it at its luckiest call (its control: the
-    slower time must move it). A stall is capped at SPIKE times the old price."""
+def test_a_stale_count_takes_a_faster_time_and_half_a_slower_one():
     costs = StepCosts(verify={4: 0.30, 8: 0.40})
     for _ in range(STALE_AFTER):
         costs.observe_verify(8, 0.40)
@@ -401,15 +414,10 @@ def test_a_stale_count_takes_its_new_time_faster_or_slower():
     assert costs.verify_cost(4) == pytest.approx(0.20)
     for _ in range(STALE_AFTER):
         costs.observe_verify(8, 0.40)
-    costs.observe_verify(4, 0.25)  # or slower again
+    costs.observe_verify(4, 0.30)  # or slower again
     assert costs.verify_cost(4) == pytest.approx(0.25)
     costs.observe_verify(4, 0.30)  # timed just now: a fresh count blends
-    assert costs.verify_cost(4) == pytest.approx(0.7 * 0.25 + 0.3 * 0.30, rel=0.01)
-    for _ in range(STALE_AFTER):
-        costs.observe_verify(8, 0.40)
-    before = costs.verify_cost(4)
-    costs.observe_verify(4, 1.0)  # a stall
-    assert costs.verify_cost(4) == pytest.approx(SPIKE * before)
+    assert costs.verify_cost(4) == pytest.approx(0.7 * 0.25 + 0.3 * 0.30)
 
 
 def test_the_counts_not_in_use_are_priced_at_the_scale_of_those_that_are():

@@ -24,10 +24,11 @@ at the scale of the counts in use, 8 short-prompt clients kept going back to dra
 scales every call, and a shift learnt on a batch's narrow calls underpriced its compute-bound
 wide ones (K 1.35 there, 0.86x).
 A count untimed for STALE_AFTER rounds is stale: the policy times it again where it is a close
-alternative (see joint.py's `_refresh`, and probes), its new time replaces its price, and the
-drift stays (the gap is the count's own error). On a shared machine a sample counts at most
-`SPIKE` times the estimate it refines (one stall moves it 15 %; a lasting slowdown still shows
-within a few rounds), and calibration keeps the fastest of its repeats at every batch size.
+alternative (see joint.py's `_refresh`), a faster time replaces its price (noise only ever adds
+time), a slower one counts STALE_WEIGHT, and neither moves the drift (the gap is the count's own
+error). On a shared machine a sample counts at most `SPIKE` times the estimate it refines (one
+stall moves it 15 %; a lasting slowdown still shows within a few rounds), and calibration keeps
+the fastest of its repeats at every batch size.
 
 A lookup (n-gram, prediction) costs nothing next to a call (about 0.05 ms at 2,048 tokens).
 """
@@ -41,7 +42,7 @@ from specrt.engines.base import Engine
 
 SMOOTHING = 0.3  # weight of a new observation: follows load changes within a few rounds
 SPIKE = 1.5  # an observation counts at most this many times the estimate it refines
-STALE_AFTER = 16  # rounds untimed after which a verify count is stale
+STALE_AFTER, STALE_WEIGHT = 16, 0.5  # rounds untimed after which a verify count is stale
 PREFIX = 48  # tokens of context behind a calibration call, a typical short prompt
 # Draft calls of this many new tokens in one row: the curve a catch-up (the prompt, rounds served
 # by a lookup or at K = 0) is priced on, extrapolated past 33 until the rounds measure catch-ups
@@ -94,19 +95,18 @@ class StepCosts:
     def observe_verify(self, rows: int, seconds: float) -> None:
         """One verify call: refines its count, and where that count is fresh, the drift (see
         the module docstring). A stale count's price is from another spell of the machine's
-        load, so its new time replaces it (at most SPIKE times the old). Blended like a fresh
-        count's, a price 15 % dear took five re-timings, 84 rounds, to give way to the faster
-        call (tests/test_controller.py's case). Replaced only by a faster time, the count not
-        in use was priced at its luckiest call against the EWMA of the one in use: after a
-        summary of 1,000 tokens, K = 0's re-timing came back at 101 ms where its rounds took
-        108, and the request stopped drafting at acceptance 0.45, where it paid."""
+        load: a faster time replaces it (noise only ever adds time), a slower one counts
+        STALE_WEIGHT. Blended like a fresh count's, a price 15 % dear took five re-timings, 84
+        rounds, to give way to the faster call (tests/test_controller.py's case). Taking a
+        slower time as is, one slow call priced the target alone out of `_refresh`'s reach for
+        good: 8 clients drafted at K 1.9 where K = 0 was best (0.83x the target alone)."""
         old = self.verify.get(rows)
         if old is None:
             new = seconds
         else:
             old *= self.drift / self.at.get(rows, 1.0)
             if self.verify_age(rows) >= STALE_AFTER:
-                new = min(seconds, SPIKE * old)
+                new = seconds if seconds < old else _blend(old, seconds, STALE_WEIGHT)
             else:
                 new = _blend(old, seconds)
                 self.drift *= new / old

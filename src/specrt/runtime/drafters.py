@@ -182,7 +182,8 @@ class ModelDrafter:
         prompt's (32 tokens, 160 ms on the default pair) let a probe go ahead only every ~50
         rounds: after a summary's badly guessed opening, adaptive came back to drafting late
         or never (0.89-0.92x fixed K = 1). Shorter (12 tokens), the draft guessed worse once
-        back (kept 0.33 where fixed K = 1 kept 0.51 on the same text)."""
+        back (in one of two traced turns its drafts were kept at 0.33 where fixed K = 1 kept
+        0.51 on the same text)."""
         wide = len(seq) - self.wide_skip - min(held, SINKS)  # the sinks, window and what followed
         if self.skip > self.wide_skip and self.kept >= SCOUT_KEPT and limit >= WIDEN_LEFT * wide:
             return self.wide_skip

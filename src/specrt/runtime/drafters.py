@@ -178,12 +178,9 @@ class ModelDrafter:
         window (see `start`), or a new scout of the sequence's end where a long prompt's draft
         model is more than RESCOUT tokens behind what it read. A request that stopped drafting
         first fed it every token since, more than a probe may cost (3.4 ms a token against 3 %
-        of a 100 ms round waited), so it never drafted again. A new scout as long as the
-        prompt's (32 tokens, 160 ms on the default pair) let a probe go ahead only every ~50
-        rounds: after a summary's badly guessed opening, adaptive came back to drafting late
-        or never (0.89-0.92x fixed K = 1). Shorter (12 tokens), the draft guessed worse once
-        back (in one of two traced turns its drafts were kept at 0.33 where fixed K = 1 kept
-        0.51 on the same text)."""
+        of a 100 ms round waited), so it never drafted again. At the prompt's 32 tokens (160 ms)
+        a probe went only every ~50 rounds (a summary: 0.89-0.92x fixed K = 1); at 12 the draft
+        back guessed worse (kept 0.33 against fixed K = 1's 0.51 in one traced turn of two)."""
         wide = len(seq) - self.wide_skip - min(held, SINKS)  # the sinks, window and what followed
         if self.skip > self.wide_skip and self.kept >= SCOUT_KEPT and limit >= WIDEN_LEFT * wide:
             return self.wide_skip

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from long_context import ANSWER, CLIENT_OFFSET, RUNS, TASKS, source_text, task_prompt
+from long_context import ANSWER, CLIENT_OFFSET, RUNS, SOURCE, TASKS, source_text, task_prompt
 
 from specrt import machine
 from specrt.bundle import Bundle
@@ -36,9 +36,16 @@ def speculation_row(
     from specrt.runtime.drafters import DRAFT_WINDOW
 
     order = ["target", *(r for r in runs if r != "target")]
-    runtimes = {name: SpeculativeRuntime.load(bundle, slots=clients) for name in order}
-    first = runtimes["target"]
+    first = SpeculativeRuntime.load(bundle, slots=clients)
     ids = first.tokenizer.encode(source_text())
+    need = (clients - 1) * CLIENT_OFFSET + size
+    if need > len(ids):
+        raise SystemExit(
+            f"{clients} client(s) of {size:,} tokens need {need:,} tokens of text, and "
+            f"{SOURCE.name} has {len(ids):,}"
+        )
+    runtimes = {"target": first}
+    runtimes |= {name: SpeculativeRuntime.load(bundle, slots=clients) for name in order[1:]}
     cuts = [ids[i * CLIENT_OFFSET : i * CLIENT_OFFSET + size] for i in range(clients)]
     prompts = [task_prompt(task, first.tokenizer.decode(cut)) for cut in cuts]
     encoded = first.encode(prompts[0])
@@ -118,6 +125,9 @@ def _interleaved(runtimes: dict, calibrated: dict, prompts: list, answer: int, o
 
 
 def _turn(sequences: list, seconds: float) -> dict:
+    """One run's turn: its speed, K and drafts, and each request's K and drafts kept round by
+    round, so that a cell's course (where adaptive stopped, when it came back) can be read
+    from the JSON of a machine no longer at hand, not only from a trace run there."""
     stats = [s.result.stats for s in sequences]
     ks = [k for st in stats for k in st.ks]
     tokens = [s.result.token_ids for s in sequences]
@@ -127,6 +137,8 @@ def _turn(sequences: list, seconds: float) -> dict:
         "accepted": sum(st.accepted for st in stats),
         "drafted": sum(st.drafted for st in stats),
         "tokens": tokens[0] if len(tokens) == 1 else tokens,
+        "k_by_round": [st.ks for st in stats],
+        "kept_by_round": [st.accepted_counts for st in stats],
     }
 
 
@@ -142,6 +154,8 @@ def _mean(turns: list[dict]) -> dict:
         "drafted": sum(t["drafted"] for t in turns),
         "turns": [t["decode_tokens_per_s"] for t in turns],
         "turn_ks": [t["mean_k"] for t in turns],
+        "k_by_round": [t["k_by_round"] for t in turns],
+        "kept_by_round": [t["kept_by_round"] for t in turns],
         "tokens": tokens or turns[0]["tokens"],
     }
 
@@ -322,7 +336,9 @@ def compare(
         command += ["--answer", str(answer), "--runs", runs, "--repeat", str(repeat)]
         command += ["--clients", str(clients)]
         command += ["--one", str(size), "0"]
-        done = subprocess.run(command, capture_output=True, text=True, check=True)
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(f"the {size}-token row failed:\n{done.stderr[-3000:]}")
         rows.append(json.loads(done.stdout.splitlines()[-1]))
         print(
             f"{size} tokens: {rows[-1]['target']['decode_tokens_per_s']} / "

@@ -1,7 +1,7 @@
 """Long prompts, one request at a time: time to first token and peak memory as the prompt grows,
 with the prompt fed to the engine whole or in pieces of several sizes.
 
-The prompt is specrt's own runtime, serve and engines source (this checkout's), cut to N tokens,
+The prompt is specrt's own runtime, serve and engines source (a snapshot, SOURCE), cut to N tokens,
 with a question after it, as a chat message; the target alone answers (greedy, 8 new tokens,
 prompt cache off). Each row runs in a process of its own, so its peak RSS
 (`resource.getrusage`) is its own; the engines loaded take part of it (`loaded`).
@@ -49,7 +49,7 @@ from specrt import machine
 from specrt.files import write_result
 
 HERE = Path(__file__).resolve().parent
-PACKAGE = HERE.parent / "src" / "specrt"
+SOURCE = HERE / "prompts" / "long-source.txt"
 QUESTION = "\n\nWhat does the code above do? Answer briefly."
 TASKS = {
     "chat": "a source file cut to N tokens and a question about it, as a chat message",
@@ -66,9 +66,11 @@ CLIENT_OFFSET = 997  # --clients: tokens between the starts of the clients' cuts
 
 
 def source_text() -> str:
-    """Real text to cut prompts from: this checkout's runtime, serve and engines source."""
-    folders = ("runtime", "serve", "engines")
-    return "".join(p.read_text() for d in folders for p in sorted((PACKAGE / d).glob("*.py")))
+    """Real text to cut prompts from: specrt's runtime, serve and engines source, the first
+    128 KB (32,542 tokens for Qwen2.5) as of 2026-11-27, kept in SOURCE. Read from the checkout
+    at run time, the prompts changed with the code they measured: a 4,000-token cut reaches
+    controller.py, so a cell moved between two commits for its text as well as its code."""
+    return SOURCE.read_text()
 
 
 def one(bundle: str, size: int, piece: int) -> dict:

@@ -12,6 +12,7 @@ from specrt.runtime.costs import STALE_AFTER, StepCosts
 from specrt.runtime.joint import (
     K_MARGIN,
     PROBE_AFTER,
+    PROBE_AFTER_ALONE,
     REFRESH_MARGIN,
     SWITCH_GAIN,
     WARM_UP_K,
@@ -214,7 +215,7 @@ def test_a_request_without_drafts_is_probed_now_and_then():
     costs = _batch_costs()
     policy = Adaptive(costs=costs, prior_alpha=0.01)
     ctx = RoundContext(room=8, position=50, remaining=256)
-    for _ in range(PROBE_AFTER):
+    for _ in range(PROBE_AFTER_ALONE):
         assert policy.decide(ctx).k == 0
         policy.observe(0, 0)
     decision = policy.decide(ctx)

@@ -11,9 +11,9 @@ import pytest
 from fixed_costs import FixedCosts, flat_costs, gguf_costs
 
 from specrt.errors import SpecrtError
-from specrt.runtime import SpeculativeRuntime
+from specrt.runtime import SpeculativeRuntime, joint
 from specrt.runtime.controller import Adaptive
-from specrt.runtime.joint import PROBE_AFTER
+from specrt.runtime.joint import PROBE_AFTER_ALONE
 from specrt.runtime.pool import PooledAcceptance
 from specrt.tools import replay
 
@@ -94,6 +94,39 @@ def _drafting_positions(result: replay.Replay) -> list[tuple[int, int]]:
     return rounds
 
 
+# The draft's greedy agreement along a summary of a 1,000-token file (the default pair on a
+# 2-core AVX2 EPYC, read from fixed K = 1's rounds): a badly guessed opening, then ~0.6.
+SUMMARY = (
+    "10010001000000001111100111000111110011111111111001000100111111111001110011111111100001"
+    "111111100111110011100011111110000011111000"
+)
+
+
+@pytest.mark.parametrize("alone", [4, 16])
+def test_alone_a_request_stopped_by_its_opening_probes_within_rounds(monkeypatch, alone):
+    """On that summary's acceptance, where a draft step is a quarter of a target call and a
+    2-token call costs 10 % more, adaptive stops after the opening and comes back at its first
+    probe, 5 rounds later: alone, a probe's price (net of the draft it expects to keep, within
+    3 % of the rounds it waited) bounds what it costs, and after 4 rounds a probe there is
+    priced well within it. Control: held to 16 rounds as in a batch (PROBE_AFTER), it came back
+    16 rounds later and ran below 0.98x fixed K = 1."""
+    monkeypatch.setattr(joint, "PROBE_AFTER_ALONE", alone)
+    costs = FixedCosts(
+        draft={1: 0.025, 16: 0.044, 33: 0.0625},
+        verify={1: 0.09, 2: 0.099, 3: 0.108, 5: 0.117, 9: 0.162, 17: 0.27},
+    )
+    trace = replay.Trace(1048, [c == "1" for c in SUMMARY], [1.0] * len(SUMMARY))
+    adaptive = replay.replay([trace], "adaptive", 1, costs)
+    ks = adaptive.ks[0]
+    stop = ks.index(0)
+    back = next(i for i in range(stop, len(ks)) if ks[i]) - stop
+    best = max(replay.replay([trace], f"fixed:{k}", 1, costs).tokens_per_s for k in range(3))
+    if alone == 4:
+        assert back <= 6 and adaptive.tokens_per_s >= 0.99 * best
+    else:
+        assert back >= 16 and adaptive.tokens_per_s < 0.98 * best
+
+
 @pytest.mark.parametrize("curves", ["flat", "gguf"])
 def test_a_losing_request_stops_within_rounds_and_drafts_again_once_drafts_pay(curves):
     """A request unlike its runtime's others (the pool at 0.9): its first 150 tokens reject
@@ -118,6 +151,6 @@ def test_a_losing_request_stops_within_rounds_and_drafts_again_once_drafts_pay(c
     assert first_stop <= 6
     if curves == "flat":
         again = next(p for p, k in rounds if k and p >= 150)
-        assert again <= 150 + PROBE_AFTER + 2
+        assert again <= 150 + PROBE_AFTER_ALONE + 2
     best = max(run(f"fixed:{k}").tokens_per_s for k in range(9))
     assert adaptive.tokens_per_s >= 0.97 * best

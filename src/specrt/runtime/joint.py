@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 
 PROBE_AFTER = 16  # rounds at K = 0 after which an adaptive request drafts one token again...
 PROBE_COST = 1.1  # ...in a batch, if the wider call costs at most this much more than its round
-PROBE_SHARE = 0.03  # alone, if its extra cost is at most this share of the rounds it waited
+PROBE_AFTER_ALONE = 4  # ...alone, after this many (see `_probed`)...
+PROBE_SHARE = 0.03  # ...if its extra cost is at most this share of the rounds it waited
 SWITCH_GAIN = 1.05  # a batch starts or stops the model's drafts only for this much more tok/s
 K_MARGIN = 0.03  # options priced within this share of the best are equal: the fewest drafts win
 REFRESH_MARGIN = 1.15  # a stale call (costs.STALE_AFTER) is re-timed if it prices this close
@@ -120,28 +121,32 @@ def _priced(policies, contexts, capped, costs: StepCosts, others) -> list[Decisi
 
 
 def _probed(policies, contexts, caps, ks, reasons, costs: StepCosts, batch, price) -> list:
-    """The decisions, one request probing acceptance (K = 1) after PROBE_AFTER rounds without
-    drafts where that is cheap; an accepted probe lets the request price its drafts afresh
+    """The decisions, one request probing acceptance (K = 1) after rounds without drafts
+    where that is cheap; an accepted probe lets the request price its drafts afresh
     (`Adaptive.observe`). A probe widens the whole call to 2 tokens a row and may first catch
     the draft model up on every token since it last drafted. In a batch everyone waits for
-    both, so a probe goes ahead only where the round stays within PROBE_COST of its price, one
-    request per round; alone, a request delays only itself: its probe's extra cost, less
-    the draft it expects to keep, spread over the rounds it waited, must stay under
-    PROBE_SHARE of a round. (Held to PROBE_COST alone too, a request on a verify curve 12 %
-    wider at 2 tokens never probed, and never drafted again once it had stopped. Not
-    crediting the draft it keeps, a probe at acceptance 0.4 was priced 45 ms dear in 200.)"""
+    both, so a probe goes ahead only after PROBE_AFTER rounds, where the round stays within
+    PROBE_COST of its price, one request per round; alone, a request delays only itself: after
+    PROBE_AFTER_ALONE rounds, its probe's extra cost, less the draft it expects to keep, spread
+    over the rounds it waited, must stay under PROBE_SHARE of a round. (Held to PROBE_COST
+    alone too, a request on a verify curve 12 % wider at 2 tokens never probed, and never
+    drafted again once it had stopped. Not crediting the draft it keeps, a probe at acceptance
+    0.4 was priced 45 ms dear in 200. Held to PROBE_AFTER alone, a summary whose opening the
+    draft guessed badly waited 16 rounds for a probe its price allowed after 5: 0.89x fixed
+    K = 1 on an AVX2 EPYC.)"""
     wider = costs.verify_cost(batch * max(2, max(ks) + 1))
     probed = False
     decisions = []
     for policy, k, cap, why, ctx in zip(policies, ks, caps, reasons, contexts, strict=True):
         catch_up = costs.catch_up_cost(ctx.lag) if ctx.source == "model" else 0.0
         if batch > 1:
-            cheap_probe = wider + catch_up <= PROBE_COST * price
+            cheap_probe = policy.idle >= PROBE_AFTER and wider + catch_up <= PROBE_COST * price
         else:
             extra = wider - price + costs.draft_cost(ctx.source, 1) + catch_up
             extra -= policy.alpha(ctx.source) * price  # the draft it keeps: a round's token
-            cheap_probe = extra <= PROBE_SHARE * price * policy.idle
-        if k == 0 and cap > 0 and policy.idle >= PROBE_AFTER and cheap_probe and not probed:
+            waited = policy.idle >= PROBE_AFTER_ALONE
+            cheap_probe = waited and extra <= PROBE_SHARE * price * policy.idle
+        if k == 0 and cap > 0 and cheap_probe and not probed:
             k, why = 1, f"{why}; probing acceptance after {policy.idle} rounds without drafts"
             probed = policy.probing = True
         decisions.append(Decision(k, why))

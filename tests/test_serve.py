@@ -623,8 +623,15 @@ def test_a_body_over_the_limit_gets_a_413_before_it_is_read(bundle, reference):
             assert reply["error"]["code"] == "body_too_large"
             assert "--max-body-size" in reply["error"]["message"]
             # greedy and ignore_eos: a sampled EOS after one token (seen in CI) is no failure here
-            small = {"model": "tiny", "prompt": "x", "max_tokens": 2, "ignore_eos": True}
-            small = json.dumps({**small, "temperature": 0}).encode()
+            small = json.dumps(
+                {
+                    "model": "tiny",
+                    "prompt": "x",
+                    "max_tokens": 2,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                }
+            ).encode()
             status, reply, _ = _post(base, "/v1/completions", small, chunked)
             assert status == 200 and reply["usage"]["completion_tokens"] == 2
 

@@ -135,18 +135,18 @@ def _probed(policies, contexts, caps, ks, reasons, costs: StepCosts, batch, pric
     draft guessed badly waited 16 rounds for a probe its price allowed after 5: 0.89x fixed
     K = 1 on an AVX2 EPYC.)"""
     wider = costs.verify_cost(batch * max(2, max(ks) + 1))
+    after = PROBE_AFTER if batch > 1 else PROBE_AFTER_ALONE
     probed = False
     decisions = []
     for policy, k, cap, why, ctx in zip(policies, ks, caps, reasons, contexts, strict=True):
         catch_up = costs.catch_up_cost(ctx.lag) if ctx.source == "model" else 0.0
         if batch > 1:
-            cheap_probe = policy.idle >= PROBE_AFTER and wider + catch_up <= PROBE_COST * price
+            cheap_probe = wider + catch_up <= PROBE_COST * price
         else:
             extra = wider - price + costs.draft_cost(ctx.source, 1) + catch_up
             extra -= policy.alpha(ctx.source) * price  # the draft it keeps: a round's token
-            waited = policy.idle >= PROBE_AFTER_ALONE
-            cheap_probe = waited and extra <= PROBE_SHARE * price * policy.idle
-        if k == 0 and cap > 0 and cheap_probe and not probed:
+            cheap_probe = extra <= PROBE_SHARE * price * policy.idle
+        if k == 0 and cap > 0 and policy.idle >= after and cheap_probe and not probed:
             k, why = 1, f"{why}; probing acceptance after {policy.idle} rounds without drafts"
             probed = policy.probing = True
         decisions.append(Decision(k, why))

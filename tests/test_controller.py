@@ -13,6 +13,7 @@ from specrt.runtime.joint import (
     K_MARGIN,
     PROBE_AFTER,
     PROBE_AFTER_ALONE,
+    REFRESH_ALWAYS,
     REFRESH_MARGIN,
     SWITCH_GAIN,
     WARM_UP_K,
@@ -405,6 +406,29 @@ def test_a_stale_price_of_the_target_alone_is_timed_again(monkeypatch):
     assert ks[STALE_AFTER + 1 :] == [0] * (2 * STALE_AFTER - 1)
     monkeypatch.setattr("specrt.runtime.joint.REFRESH_MARGIN", 0.0)
     assert min(_drafting_rounds(stale(), truth, 0.75, 3 * STALE_AFTER)) >= 1
+
+
+def test_no_price_holds_the_target_alone_out_of_reach_for_good(monkeypatch):
+    """The target alone's call priced 30 % dear, beyond REFRESH_MARGIN: drafting at 0.75 looks
+    best though the target alone is 8 % faster, and the call is not close enough to be timed
+    again at STALE_AFTER. Once REFRESH_ALWAYS rounds old it is timed anyway, and the batch
+    stops drafting. Control: with no such bound it drafts on for good."""
+    truth = gguf_costs()
+
+    def dear() -> StepCosts:
+        costs = StepCosts(draft=dict(truth.draft), verify=dict(truth.verify))
+        for rows in (4, 5):  # both, since no count is priced above a larger one
+            costs.verify[rows] *= 1.3
+        return costs
+
+    alone = 4 / truth.verify_cost(4)
+    k1 = price_round([1] * 4, [0.75] * 4, ["model"] * 4, [(2, 256)] * 4, (), truth)[0]
+    assert alone > SWITCH_GAIN * k1 and REFRESH_MARGIN * alone / 1.3 < k1
+    rounds = REFRESH_ALWAYS + 2 * STALE_AFTER
+    ks = _drafting_rounds(dear(), truth, 0.75, rounds)
+    assert min(ks[:REFRESH_ALWAYS]) >= 1 and ks[REFRESH_ALWAYS:] == [0] * (2 * STALE_AFTER)
+    monkeypatch.setattr("specrt.runtime.joint.REFRESH_ALWAYS", 10**9)
+    assert min(_drafting_rounds(dear(), truth, 0.75, rounds)) >= 1
 
 
 def test_a_stale_count_takes_a_faster_time_and_half_a_slower_one():

@@ -23,6 +23,7 @@ PROBE_SHARE = 0.03  # ...if its extra cost is at most this share of the rounds i
 SWITCH_GAIN = 1.05  # a batch starts or stops the model's drafts only for this much more tok/s
 K_MARGIN = 0.03  # options priced within this share of the best are equal: the fewest drafts win
 REFRESH_MARGIN = 1.15  # a stale call (costs.STALE_AFTER) is re-timed if it prices this close
+REFRESH_ALWAYS = 64  # ...and once this many rounds old, however far it prices (see `_refresh`)
 WARM_UP_K = 4  # drafts a round takes while a source cannot be priced yet
 
 
@@ -171,20 +172,26 @@ def _keep_course(options: list[tuple], sources: Sequence[str], drafting: bool) -
 
 def _refresh(options: list[tuple], chosen: tuple, sources: Sequence[str], others, costs):
     """The best option without the model's drafts, for one round, where the chosen one drafts
-    by the model, prices within REFRESH_MARGIN of it, and its verify call was last timed
-    STALE_AFTER rounds ago or more; else None. Only the calls in use are timed again, and a
-    shared machine's speed drifts by tens of percent within minutes: at 4 clients the target
-    alone's call kept the price of a slow spell (187 ms where its rounds took 167) while the
-    drafting rounds were timed afresh, and adaptive drafted at 0.93x the target alone. One
-    round in STALE_AFTER costs at most a sixth of a round."""
+    by the model and its verify call was last timed STALE_AFTER rounds ago or more, if it
+    prices within REFRESH_MARGIN of the chosen one, or REFRESH_ALWAYS rounds ago whatever its
+    price; else None. Only the calls in use are timed again, and a shared machine's speed
+    drifts by tens of percent within minutes: at 4 clients the target alone's call kept the
+    price of a slow spell (187 ms where its rounds took 167) while the drafting rounds were
+    timed afresh, and adaptive drafted at 0.93x the target alone. One round in STALE_AFTER
+    costs at most a sixth of a round. A price further off than the margin (a spell 30 % slow,
+    or a drift the drafting counts learnt that the call without drafts does not share) was
+    never timed again, and the batch drafted at a loss for good (tests/test_controller.py's
+    case). One round in REFRESH_ALWAYS bounds how long any price holds the target alone out of
+    reach, for at most a 64th of a round's gain."""
     if not _model_drafts(chosen, sources):
         return None
     alone = [option for option in options if not _model_drafts(option, sources)]
     if not alone:
         return None
     best = _best(alone)
-    stale = costs.verify_age(verify_rows(best[3], others)) >= STALE_AFTER
-    return best if stale and REFRESH_MARGIN * best[0] >= chosen[0] else None
+    age = costs.verify_age(verify_rows(best[3], others))
+    close = age >= STALE_AFTER and REFRESH_MARGIN * best[0] >= chosen[0]
+    return best if close or age >= REFRESH_ALWAYS else None
 
 
 def _best(options: list[tuple]) -> tuple:

@@ -137,13 +137,24 @@ def test_bench_reports_lookup_rows_per_category(bundles, tmp_path):
     assert "Per category" in write_report(result, tmp_path, "cat")[1].read_text()
 
 
-def test_the_load_benchmark_reports_every_config_at_every_concurrency(precision_bundles, tmp_path):
+def test_the_load_benchmark_reports_every_config_at_every_concurrency(
+    precision_bundles, tmp_path, monkeypatch
+):
     """`specrt bench --concurrency` on a tiny int4 target: every configuration at every level,
-    with the figures the results file promises, and every output equal to its run alone."""
+    with the figures the results file promises, and every output equal to its run alone. Each
+    run starts from the costs calibrated at load, not from what the run before it timed."""
     from click.testing import CliRunner
 
     from specrt.cli import cli
+    from specrt.tools import concurrency
 
+    starts, real = [], concurrency.run_level
+
+    def run_level(rt, *args):
+        starts.append((rt.costs.rounds, rt.costs.drift))
+        return real(rt, *args)
+
+    monkeypatch.setattr(concurrency, "run_level", run_level)
     bundle = precision_bundles["d-int8_t-int4"]
     args = ["bench", str(bundle), "--concurrency", "1,3", "--max-new-tokens", "6", "--repeat", "2"]
     args += ["--prompts", str(PROMPT_FILES[0]), "--out", str(tmp_path), "--name", "load"]
@@ -165,6 +176,7 @@ def test_the_load_benchmark_reports_every_config_at_every_concurrency(precision_
     assert {g["concurrency"] for g in report["goals"]} == {1, 3}
     assert "| adaptive_d-int8_t-int4 |" in (tmp_path / "load.md").read_text()
     assert (tmp_path / "load.png").read_bytes()[:4] == b"\x89PNG"
+    assert starts == [(0, 1.0)] * (2 * 2 * len(names))  # calibration's: no call timed since
 
 
 def test_the_load_benchmark_refuses_bad_levels(bundles, tmp_path):

@@ -21,7 +21,9 @@ machine's drift (10 % within a minute on a shared 2-core machine) falls on every
 A run's speed is its tokens after the first over the seconds of its own rounds, the draft
 model's catch-up included; each run starts from the costs calibrated at its load, no
 acceptance seen and an empty draft slot (a run's rounds would otherwise set the next one's
-course, and a window left in the slot was read for free). `--task completion` sends the cut
+course, and a window left in the slot was read for free); with `--clients`, a run's acceptance
+pool is kept from its first turn on, as a server keeps it, so only the first turn pays the
+warm-up of a server that has seen no drafts. `--task completion` sends the cut
 source as plain text to continue (code completion, as an editor sends a file) instead of a
 chat question about it; `--task summary` asks for a summary of it, `--task system` sends it as
 a long system prompt with a short question after it (TASKS). `--runs target,fixed:1,fixed:3,

@@ -94,11 +94,11 @@ def test_a_window_too_small_is_refused(bundles, runtimes):
 @pytest.fixture
 def small_scout(monkeypatch):
     """The scout's sizes scaled to the tiny models' 128-token context: prompts the draft would
-    read more than 16 tokens of are first read as their last 8 (and read afresh as their last
-    8 where the draft fell further behind), until 2 drafts were kept, and the window is offered
-    while the answer left is a quarter of what it must read."""
+    read more than 16 tokens of are first read as their last 8 (and where the draft fell more
+    than 4 behind, it reads on from the sequence's last 4), until 2 drafts were kept, and the
+    window is offered while the answer left is a quarter of what it must read."""
     monkeypatch.setattr(drafters, "SCOUT", 8)
-    monkeypatch.setattr(drafters, "RESCOUT", 8)
+    monkeypatch.setattr(drafters, "RESUME", 4)
     monkeypatch.setattr(drafters, "SCOUT_FROM", 16)
     monkeypatch.setattr(drafters, "SCOUT_KEPT", 2)
     monkeypatch.setattr(drafters, "WIDEN_LEFT", 0.25)
@@ -142,10 +142,10 @@ def test_a_long_prompt_is_scouted_then_its_window_offered(runtimes, small_scout)
     assert drafter.offer(seq, 3).lag == 2 and drafter.skip == len(prompt) - 8
 
 
-def test_a_draft_far_behind_reads_a_new_scout(runtimes, small_scout):
-    """After rounds without drafts, a long prompt's draft model more than RESCOUT tokens behind
-    reads the sequence's end afresh (sinks kept) instead of all it missed; declined, it stays
-    as it was. Control: a short prompt's draft catches up on everything."""
+def test_a_draft_far_behind_keeps_what_it_read_and_resumes_at_the_end(runtimes, small_scout):
+    """After rounds without drafts, a long prompt's draft model more than RESUME tokens behind
+    keeps what it read and reads on from the sequence's last RESUME tokens, skipping the rest;
+    declined, it stays as it was. Control: a short prompt's draft catches up on everything."""
     rt = runtimes["llama"]
     for prompt, scouted in (([5 + i % 50 for i in range(40)], True), ([5, 6, 7, 8, 9, 10], False)):
         drafter = ModelDrafter(rt.draft, window=24)
@@ -153,22 +153,23 @@ def test_a_draft_far_behind_reads_a_new_scout(runtimes, small_scout):
         seq = list(prompt)
         draft_together([DraftJob(drafter, seq, 1, SamplingParams(), np.random.default_rng(0))])
         drafter.rollback(len(seq))
+        read = list(rt.draft.held(0))
         for token in range(12):  # rounds at K = 0
             drafter.offer(seq, 30)
             seq.append(20 + token)
             drafter.rollback(len(seq))
         behind = len(seq) - drafter.skip - rt.draft.lengths[0]
         assert behind == 12
-        assert drafter.offer(seq, 30).lag == (8 - SINKS if scouted else behind)
+        assert drafter.offer(seq, 30).lag == (4 if scouted else behind)
         if scouted:
             drafter.rollback(len(seq))  # declined: nothing moves
-            assert drafter.offer(seq, 30).lag == 8 - SINKS
+            assert drafter.offer(seq, 30).lag == 4
         draft_together([DraftJob(drafter, seq, 1, SamplingParams(), np.random.default_rng(0))])
         held = list(rt.draft.held(0))
-        if scouted:
-            assert held[:8] == seq[:SINKS] + seq[-(8 - SINKS) :]
-        else:
-            assert held[: len(seq)] == seq
+        assert held[: len(read)] == read  # what it had read stays
+        assert held[len(read) : len(read) + (4 if scouted else 12)] == seq[-4 if scouted else -12 :]
+        drafter.rollback(len(seq) + 1)  # its draft kept, and the target's token after it
+        assert drafter.offer([*seq, 1, 2], 30).lag == 2  # it reads on from where it resumed
 
 
 def test_drafts_that_are_rejected_never_pay_for_the_window(

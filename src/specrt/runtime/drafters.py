@@ -39,7 +39,7 @@ DRAFT_WINDOW = 512
 # Past SCOUT_FROM tokens the draft reads a prompt's last SCOUT (sinks included) until SCOUT_KEPT
 # of its drafts were kept, then its window while the answer left is WIDEN_LEFT times its lag.
 SCOUT, SCOUT_FROM, SCOUT_KEPT, WIDEN_LEFT = 32, 256, 8, 1.0
-RESCOUT = 20  # ...and, having fallen further behind, its sequence's last RESCOUT (sinks included)
+RESUME = 8  # ...and, having fallen further behind, what it read and the sequence's last RESUME
 
 
 @dataclass(frozen=True)
@@ -124,11 +124,11 @@ class ModelDrafter:
         self.engine, self.slot = engine, 0
         self.ids = min(engine.vocab_size, ids or engine.vocab_size)
         self.window, self.scout = window, scout
-        self.skip = 0  # prompt tokens after the first SINKS that the draft model does not read
+        self.skip = 0  # tokens after the first SINKS it did not read (all before what it reads on)
         self.wide_skip = 0  # ...once it reads its whole window
         self.kept = 0  # drafts of this request the target kept
         self.drafted_after: int | None = None  # the round's sequence length, if it drafted
-        self.offered: int | None = None  # the skip this round's offer would read from
+        self.offered: tuple | None = None  # this round's offer's view (see `_view`)
         self.model = self
 
     def start(self, prompt: Sequence[int], slot: int, cache: PromptCache | None) -> None:
@@ -169,31 +169,32 @@ class ModelDrafter:
     def offer(self, seq: Sequence[int], limit: int) -> Offer:
         held = self.engine.lengths[self.slot]
         self.offered = self._view(seq, limit, held)
-        if self.offered is None:
-            return Offer("model", limit, len(seq) - self.skip - held)
-        return Offer("model", limit, len(seq) - self.offered - min(held, SINKS))
+        skip, keep, _ = self.offered or (self.skip, held, False)
+        return Offer("model", limit, len(seq) - skip - keep)
 
-    def _view(self, seq: Sequence[int], limit: int, held: int) -> int | None:
-        """The skip a draft this round would read from where it moves (None: it reads on): the
-        window (see `start`), or a new scout of the sequence's end where a long prompt's draft
-        model is more than RESCOUT tokens behind what it read. A request that stopped drafting
-        first fed it every token since, more than a probe may cost (3.4 ms a token against 3 %
-        of a 100 ms round waited), so it never drafted again. At the prompt's 32 tokens (160 ms)
-        a probe went only every ~50 rounds (a summary: 0.89-0.92x fixed K = 1); at 12 the draft
-        back guessed worse (kept 0.33 against fixed K = 1's 0.51 in one traced turn of two)."""
+    def _view(self, seq: Sequence[int], limit: int, held: int) -> tuple[int, int, bool] | None:
+        """Where a draft this round would read from (None: it reads on): the skip, the draft
+        positions its cache keeps, and whether that is the window (see `start`). A long
+        prompt's draft model more than RESUME tokens behind keeps what it read (sinks, scout or
+        window, the answer up to its stop) and reads on from the sequence's last RESUME. Fed
+        every token since, a request that stopped never drafted again; a new scout of the last
+        16 cost more than the round it probed (122 ms against 100 after 4,000 tokens, AVX2
+        EPYC), so probes came every ~40 rounds (a summary: 0.94x fixed K = 1). Offline,
+        resuming on the last 8 kept as many of the next 20 drafts as that scout, for half its
+        catch-up (docs/batching.md)."""
         wide = len(seq) - self.wide_skip - min(held, SINKS)  # the sinks, window and what followed
         if self.skip > self.wide_skip and self.kept >= SCOUT_KEPT and limit >= WIDEN_LEFT * wide:
-            return self.wide_skip
-        if self.scout and self.skip and held >= SINKS and len(seq) - self.skip - held > RESCOUT:
-            return len(seq) - RESCOUT
+            return self.wide_skip, min(held, SINKS), True
+        if self.scout and self.skip and held >= SINKS and len(seq) - self.skip - held > RESUME:
+            return len(seq) - RESUME - held, held, False
         return None
 
     def feed(self, seq: Sequence[int]) -> Sequence[int]:
         """What the draft model reads before this round's first step: where its offer was to
-        read the window or a new scout, it starts reading that here (its sinks kept)."""
+        read the window or to resume, it starts reading that here."""
         if self.offered is not None:
-            self.skip = self.offered
-            self.engine.rollback(min(self.engine.lengths[self.slot], SINKS), self.slot)
+            self.skip, keep, _ = self.offered
+            self.engine.rollback(keep, self.slot)
         self.drafted_after = len(seq)
         return self.unread(seq)
 
@@ -203,7 +204,7 @@ class ModelDrafter:
         if self.drafted_after is not None:
             self.kept += max(0, length - self.drafted_after)
             self.drafted_after = None
-        elif self.offered is not None and self.offered == self.wide_skip < self.skip:
+        elif self.offered is not None and self.offered[2]:
             self.wide_skip = self.skip
         self.offered = None
         self.engine.rollback(min(self.engine.lengths[self.slot], length - self.skip), self.slot)

@@ -51,6 +51,13 @@ class Offer:
     prefix: tuple[int, ...] = ()  # free tokens a model proposal starts with (a grammar's forced)
 
 
+@dataclass(frozen=True)
+class View:  # where a draft model reads from this round (see `ModelDrafter._view`)
+    skip: int  # the request's tokens after the sinks it does not read
+    keep: int  # the draft positions its cache keeps before reading on
+    window: bool  # whether that is the window (see `ModelDrafter.start`)
+
+
 @dataclass
 class Proposal:
     tokens: list[int] = field(default_factory=list)
@@ -128,7 +135,7 @@ class ModelDrafter:
         self.wide_skip = 0  # ...once it reads its whole window
         self.kept = 0  # drafts of this request the target kept
         self.drafted_after: int | None = None  # the round's sequence length, if it drafted
-        self.offered: tuple | None = None  # this round's offer's view (see `_view`)
+        self.offered: View | None = None  # where this round's offer would read from
         self.model = self
 
     def start(self, prompt: Sequence[int], slot: int, cache: PromptCache | None) -> None:
@@ -169,32 +176,27 @@ class ModelDrafter:
     def offer(self, seq: Sequence[int], limit: int) -> Offer:
         held = self.engine.lengths[self.slot]
         self.offered = self._view(seq, limit, held)
-        skip, keep, _ = self.offered or (self.skip, held, False)
-        return Offer("model", limit, len(seq) - skip - keep)
+        view = self.offered or View(self.skip, held, False)
+        return Offer("model", limit, len(seq) - view.skip - view.keep)
 
-    def _view(self, seq: Sequence[int], limit: int, held: int) -> tuple[int, int, bool] | None:
-        """Where a draft this round would read from (None: it reads on): the skip, the draft
-        positions its cache keeps, and whether that is the window (see `start`). A long
-        prompt's draft model more than RESUME tokens behind keeps what it read (sinks, scout or
-        window, the answer up to its stop) and reads on from the sequence's last RESUME. Fed
-        every token since, a request that stopped never drafted again; a new scout of the last
-        16 cost more than the round it probed (122 ms against 100 after 4,000 tokens, AVX2
-        EPYC), so probes came every ~40 rounds (a summary: 0.94x fixed K = 1). Offline,
-        resuming on the last 8 kept as many of the next 20 drafts as that scout, for half its
-        catch-up (docs/batching.md)."""
+    def _view(self, seq: Sequence[int], limit: int, held: int) -> View | None:
+        """Where a draft this round would read from (None: it reads on): the window, or, where a
+        long prompt's draft model is more than RESUME tokens behind, what it read (sinks, scout
+        or window, the answer up to its stop) and the sequence's last RESUME. A new scout of the
+        last 16 cost more than a round on an AVX2 EPYC after 4,000 tokens (docs/batching.md)."""
         wide = len(seq) - self.wide_skip - min(held, SINKS)  # the sinks, window and what followed
         if self.skip > self.wide_skip and self.kept >= SCOUT_KEPT and limit >= WIDEN_LEFT * wide:
-            return self.wide_skip, min(held, SINKS), True
+            return View(self.wide_skip, min(held, SINKS), True)
         if self.scout and self.skip and held >= SINKS and len(seq) - self.skip - held > RESUME:
-            return len(seq) - RESUME - held, held, False
+            return View(len(seq) - RESUME - held, held, False)
         return None
 
     def feed(self, seq: Sequence[int]) -> Sequence[int]:
         """What the draft model reads before this round's first step: where its offer was to
         read the window or to resume, it starts reading that here."""
         if self.offered is not None:
-            self.skip, keep, _ = self.offered
-            self.engine.rollback(keep, self.slot)
+            self.skip = self.offered.skip
+            self.engine.rollback(self.offered.keep, self.slot)
         self.drafted_after = len(seq)
         return self.unread(seq)
 
@@ -204,7 +206,7 @@ class ModelDrafter:
         if self.drafted_after is not None:
             self.kept += max(0, length - self.drafted_after)
             self.drafted_after = None
-        elif self.offered is not None and self.offered[2]:
+        elif self.offered is not None and self.offered.window:
             self.wide_skip = self.skip
         self.offered = None
         self.engine.rollback(min(self.engine.lengths[self.slot], length - self.skip), self.slot)

@@ -12,7 +12,8 @@ from fixed_costs import flat_costs
 
 from specrt.errors import SpecrtError
 from specrt.runtime import SpeculativeRuntime, drafters
-from specrt.runtime.drafters import SINKS, DraftJob, ModelDrafter, draft_together, make_drafter
+from specrt.runtime.drafters import SINKS, ModelDrafter, make_drafter
+from specrt.runtime.drafting import DraftJob, draft_together
 from specrt.runtime.sampling import SamplingParams
 from specrt.serve import ServeSettings
 

@@ -18,15 +18,8 @@ from specrt.bundle import Bundle
 from specrt.errors import SpecrtError
 from specrt.exporter.build import build_bundle
 from specrt.runtime import SpeculativeRuntime
-from specrt.runtime.drafters import (
-    DraftJob,
-    HybridDrafter,
-    ModelDrafter,
-    NgramDrafter,
-    Offer,
-    draft_together,
-    lookup,
-)
+from specrt.runtime.drafters import HybridDrafter, ModelDrafter, NgramDrafter, Offer, lookup
+from specrt.runtime.drafting import DraftJob, draft_together
 from specrt.runtime.sampling import SamplingParams
 from specrt.serve import ServeSettings
 from specrt.tools.bench import run_bench

@@ -8,13 +8,12 @@ token was chosen deterministically (greedy drafting, or a lookup), and rejection
 it as q = one-hot(x), which keeps the target's distribution exactly. `rollback` says how many
 tokens of the sequence survived the round. The loop knows no more than this, and one rule: an
 offer whose source is "model" is drafted by the drafter's `model` together with every other
-request's model draft, one batched draft call per step (`draft_together`); a lookup proposes
-alone, for free.
+request's model draft, one batched draft call per step (`draft_together`, drafting.py); a
+lookup proposes alone, for free.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
@@ -24,13 +23,11 @@ import numpy as np
 from specrt.engines.base import Engine
 from specrt.errors import SpecrtError
 from specrt.runtime.constraints import Constraints
-from specrt.runtime.costs import StepCosts
 from specrt.runtime.lookup import lookup
 from specrt.runtime.prompt_cache import PromptCache, take_slot
-from specrt.runtime.sampling import SamplingParams, probabilities, sample
+from specrt.runtime.sampling import SamplingParams
 
 DRAFTERS = ("model", "ngram", "hybrid")
-CATCH_UP = 4  # a draft cache further behind catches up in a call of its own
 SINKS = 4  # a windowed draft keeps the prompt's first tokens (see ModelDrafter.start)
 # The most prompt tokens the draft model reads. Measured on the default pair continuing a file
 # (docs/generating.md): after 4,000 and 8,000 tokens, a draft reading its last 512 had 78 % and
@@ -90,19 +87,6 @@ class Drafter(Protocol):
 
     def rollback(self, length: int) -> None:
         """Only the first `length` tokens of the sequence survived the round."""
-
-
-def draw(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, threshold: float):
-    """A model's token, the distribution it was drawn from (None when greedy: a point mass),
-    and its confidence: the top probability (1.0 when greedy and not asked for)."""
-    if params.greedy:
-        confidence = 1.0
-        if threshold > 0:
-            shifted = np.exp(logits - logits.max())
-            confidence = float(1.0 / shifted.sum())
-        return int(logits.argmax()), None, confidence
-    probs = probabilities(logits, params)
-    return sample(probs, rng), probs, float(probs.max())
 
 
 class ModelDrafter:
@@ -210,129 +194,6 @@ class ModelDrafter:
             self.wide_skip = self.skip
         self.offered = None
         self.engine.rollback(min(self.engine.lengths[self.slot], length - self.skip), self.slot)
-
-
-@dataclass
-class DraftJob:
-    """One request's part in a batched draft."""
-
-    drafter: ModelDrafter
-    seq: Sequence[int]  # the sequence to draft after
-    k: int  # draft model steps at most
-    params: SamplingParams
-    rng: np.random.Generator
-    threshold: float = 0.0  # stop once the draft's top probability falls below
-    # The draft samples within them, and the tokens a grammar forces after a drafted token
-    # join the proposal for free, up to room tokens in all (default k).
-    constraints: Constraints | None = None
-    room: int | None = None
-    prefix: Sequence[int] = ()  # free tokens the proposal starts with, before any model step
-
-    @property
-    def limit(self) -> int:
-        """The most tokens its proposal may hold."""
-        return len(self.prefix) + self.k if self.room is None else self.room
-
-
-Steps = list[tuple[int, float]]  # per draft call: its rows (padding included), seconds
-
-
-def draft_together(jobs: Sequence[DraftJob]) -> tuple[list[Proposal], Steps]:
-    """Up to k tokens after each job's sequence, one batched call of the draft model per step.
-    A request whose draft is done (k steps, its room, or the draft is unsure: verifying now
-    beats drafting on) sits out the remaining steps. Its first step feeds each request what
-    the draft model has not read yet (a request far behind catches up first, in a call of its
-    own, which is not a step). Constraints end where they began: drafting walks them ahead and
-    steps them back. Also returns each call's rows and seconds (the catch-ups', then each
-    step's), which refine the draft model's cost curve: a catch-up is priced on that curve
-    (`StepCosts.catch_up_cost`), and calibration measures it only up to 33 tokens, from which a
-    window's 512 were priced 25 % dear on the default draft. A step's seconds include drawing
-    its tokens (a softmax over the vocabulary per row, for the confidence): timed around the
-    call alone, the curve left out host work that drafting pays every step."""
-    engine, ids = jobs[0].drafter.engine, jobs[0].drafter.ids
-    last = engine.vocab_size - 1
-    proposals = [Proposal(list(job.prefix), [None] * len(job.prefix)) for job in jobs]
-    bases = [job.constraints.position if job.constraints else 0 for job in jobs]
-    for job in jobs:
-        if job.constraints is not None:
-            job.constraints.advance(job.prefix)
-    feeds = {
-        i: [min(token, last) for token in [*job.drafter.feed(job.seq), *job.prefix]]
-        for i, job in enumerate(jobs)
-        if job.k
-    }
-    steps: Steps = []
-    for i, feed in feeds.items():
-        if ahead := catch_up_tokens(len(feed)):
-            start = time.perf_counter()
-            engine.forward_rows([(jobs[i].drafter.slot, feed[:ahead])], last=1)
-            steps.append((ahead, time.perf_counter() - start))
-            feeds[i] = feed[ahead:]
-    while feeds:
-        calls = [(jobs[i].drafter.slot, feed) for i, feed in feeds.items()]
-        width = max(len(feed) for feed in feeds.values())
-        start = time.perf_counter()
-        rows = engine.forward_rows(calls, last=1)
-        for i, logits in zip(list(feeds), rows, strict=True):
-            job, proposal = jobs[i], proposals[i]
-            row = logits[0, :ids]
-            if job.constraints is not None:
-                row = job.constraints.apply(row)
-            token, probs, confidence = draw(row, job.params, job.rng, job.threshold)
-            if proposal.tokens and confidence < job.threshold:
-                del feeds[i]
-                continue
-            proposal.tokens.append(token)
-            proposal.probs.append(probs)
-            proposal.steps += 1
-            feeds[i] = [token, *_follow(job, proposal, token)]
-            ended = job.constraints is not None and token in job.constraints.eos
-            if ended or proposal.steps == job.k or len(proposal.tokens) >= job.limit:
-                del feeds[i]
-        steps.append((len(calls) * width, time.perf_counter() - start))  # draws included
-    for job, base in zip(jobs, bases, strict=True):
-        if job.constraints is not None:
-            job.constraints.rollback_to(base)
-    return proposals, steps
-
-
-def catch_up_tokens(feed: int) -> int:
-    """Tokens of a request's first feed the draft model reads in a call of its own before the
-    first step (all but the last, where it is longer than CATCH_UP), so that no other row of
-    the batched step is padded to a long feed."""
-    return feed - 1 if feed > CATCH_UP else 0
-
-
-def draft_seconds(drafts: Sequence[tuple[int, int]], costs: StepCosts) -> float:
-    """The seconds of the calls `draft_together` makes, priced on the cost curve instead of a
-    clock (the replay's round): per drafting request (its first feed, the steps it takes), the
-    catch-ups in calls of their own, then one batched call a step, the first padded to its
-    widest feed. Kept beside draft_together so that the two cannot drift apart."""
-    if not drafts:
-        return 0.0
-
-    def call(rows: int) -> float:
-        return costs.draft_cost("model", 1, rows)
-
-    seconds = sum(call(ahead) for feed, _ in drafts if (ahead := catch_up_tokens(feed)))
-    seconds += call(len(drafts) * max(feed - catch_up_tokens(feed) for feed, _ in drafts))
-    for s in range(1, max(steps for _, steps in drafts)):
-        seconds += call(sum(1 for _, steps in drafts if steps > s))
-    return seconds
-
-
-def _follow(job: DraftJob, proposal: Proposal, token: int) -> list[int]:
-    """Walk a job's constraints over its drafted token, then over the tokens its grammar forces
-    next, which join the proposal as point masses (free drafts, verified like any other)."""
-    constraints = job.constraints
-    if constraints is None or token in constraints.eos:
-        return []
-    constraints.advance([token])
-    forced = constraints.forced()[: max(0, job.limit - len(proposal.tokens))]
-    constraints.advance(forced)
-    proposal.tokens.extend(forced)
-    proposal.probs.extend([None] * len(forced))
-    return forced
 
 
 class NgramDrafter:

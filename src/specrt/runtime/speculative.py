@@ -20,14 +20,8 @@ from dataclasses import dataclass
 from specrt.engines.base import Engine
 from specrt.runtime.acceptance import verify_greedy, verify_sampled
 from specrt.runtime.costs import StepCosts
-from specrt.runtime.drafters import (
-    DraftJob,
-    Offer,
-    Proposal,
-    Steps,
-    draft_together,
-    draw,
-)
+from specrt.runtime.drafters import Offer, Proposal
+from specrt.runtime.drafting import DraftJob, Steps, draft_together, draw
 from specrt.runtime.joint import decide_round
 from specrt.runtime.logprobs import TokenLogprob, token_logprobs
 from specrt.runtime.policy import Decision, RoundContext

@@ -30,7 +30,7 @@ from specrt.errors import SpecrtError
 from specrt.files import write_json_atomic
 from specrt.runtime.controller import make_controller
 from specrt.runtime.costs import StepCosts
-from specrt.runtime.drafters import draft_seconds
+from specrt.runtime.drafting import draft_seconds
 from specrt.runtime.joint import decide_round
 from specrt.runtime.policy import RoundContext
 from specrt.runtime.pool import PooledAcceptance

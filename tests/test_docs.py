@@ -12,17 +12,19 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-MARKER = re.compile(r"^<!-- results: ([\w.\-]+) -->$", re.M)
+MARKER = re.compile(r"^ *<!-- results: ([\w.\-]+) -->$", re.M)  # indented: in a list item
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="module")
 def render_results():
-    spec = importlib.util.spec_from_file_location(
-        "render_results", ROOT / "benchmarks" / "render_results.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _load("render_results", ROOT / "benchmarks" / "render_results.py")
 
 
 def _markers() -> list[str]:
@@ -42,6 +44,21 @@ def test_every_results_table_in_the_docs_renders_and_names_its_cpu_and_date(rend
         assert result["machine"]["date"] in head and "|---" in text
     index = render_results.index()
     assert all(f"`{name}`" in index for name in names)
+
+
+def test_a_marker_under_a_list_item_renders_in_the_item():
+    """A marker indented under a list item is replaced by its tables at that indent (before,
+    only a marker at the margin was, and limits.md's stayed HTML comments on the site)."""
+    hook = _load("results_hook", ROOT / "docs" / "hooks" / "results.py")
+    name = _markers()[0]
+    page = f"- a finding\n\n  <!-- results: {name} -->\n\nAfter.\n"
+    out = hook.on_page_markdown(page, None, None, None)
+    assert "<!-- results" not in out
+    table = out.split("\n\n", 1)[1].rsplit("\n\nAfter.", 1)[0]
+    assert "|---" in table and all(line.startswith("  ") for line in table.splitlines() if line)
+    assert "#" not in table.split("|", 1)[0]  # its headings are bold lines there
+    margin = hook.on_page_markdown(f"<!-- results: {name} -->\n", None, None, None)
+    assert margin.startswith("**Measured on ")
 
 
 def test_a_result_without_its_machine_or_renderer_is_refused(render_results, tmp_path, monkeypatch):

@@ -15,22 +15,9 @@ import numpy as np
 from specrt.runtime.constraints import Constraints
 from specrt.runtime.costs import StepCosts
 from specrt.runtime.drafters import ModelDrafter, Proposal
-from specrt.runtime.sampling import SamplingParams, probabilities, sample
+from specrt.runtime.sampling import SamplingParams, draw
 
 CATCH_UP = 4  # a draft cache further behind catches up in a call of its own
-
-
-def draw(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, threshold: float):
-    """A model's token, the distribution it was drawn from (None when greedy: a point mass),
-    and its confidence: the top probability (1.0 when greedy and not asked for)."""
-    if params.greedy:
-        confidence = 1.0
-        if threshold > 0:
-            shifted = np.exp(logits - logits.max())
-            confidence = float(1.0 / shifted.sum())
-        return int(logits.argmax()), None, confidence
-    probs = probabilities(logits, params)
-    return sample(probs, rng), probs, float(probs.max())
 
 
 @dataclass

@@ -80,3 +80,16 @@ def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
     """One draw by inverse CDF (faster than rng.choice for large vocabularies)."""
     index = int(np.searchsorted(np.cumsum(probs), rng.random() * probs.sum(), side="right"))
     return min(index, probs.size - 1)
+
+
+def draw(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, threshold: float):
+    """A model's token, the distribution it was drawn from (None when greedy: a point mass),
+    and its confidence: the top probability (1.0 when greedy and not asked for)."""
+    if params.greedy:
+        confidence = 1.0
+        if threshold > 0:
+            shifted = np.exp(logits - logits.max())
+            confidence = float(1.0 / shifted.sum())
+        return int(logits.argmax()), None, confidence
+    probs = probabilities(logits, params)
+    return sample(probs, rng), probs, float(probs.max())

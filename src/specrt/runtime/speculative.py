@@ -21,11 +21,12 @@ from specrt.engines.base import Engine
 from specrt.runtime.acceptance import verify_greedy, verify_sampled
 from specrt.runtime.costs import StepCosts
 from specrt.runtime.drafters import Offer, Proposal
-from specrt.runtime.drafting import DraftJob, Steps, draft_together, draw
+from specrt.runtime.drafting import DraftJob, Steps, draft_together
 from specrt.runtime.joint import decide_round
 from specrt.runtime.logprobs import TokenLogprob, token_logprobs
 from specrt.runtime.policy import Decision, RoundContext
 from specrt.runtime.prompt_cache import take_slot
+from specrt.runtime.sampling import draw
 from specrt.runtime.sequence import Sequence
 
 NONE = Offer("none", 0)  # a request without a drafter: the target alone

@@ -271,7 +271,8 @@ def test_a_new_request_starts_from_the_acceptance_its_runtime_has_seen():
     pool = PooledAcceptance()
     fresh = [Adaptive(costs=costs, prior_alpha=0.7, pool=pool) for _ in range(2)]
     first = decide_together(fresh, contexts, costs)
-    assert [d.k for d in first] == [WARM_UP_K] * 2 and "warming up" in first[0].reason
+    assert first[0].k >= 1 and "learning" in first[0].reason  # one learns for the batch
+    assert first[1].k == 0 and "waiting" in first[1].reason
     earlier = Adaptive(costs=costs, prior_alpha=0.7, pool=pool)
     earlier.decide(RoundContext(8, 100, 256))
     for accepted in [4] * 8 + [3] * 2:
@@ -347,6 +348,45 @@ def test_only_the_requests_of_a_source_not_yet_learnt_warm_up():
     warming, priced = decide_together(policies, [lookup, model], costs)
     assert warming.k == WARM_UP_K and "warming up (ngram" in warming.reason
     assert priced.k == 0 and "tok/s" in priced.reason
+
+
+def test_a_cold_batch_learns_the_drafts_acceptance_through_one_request():
+    """Four requests after 1,000 tokens, the runtime's pool cold: one request drafts to learn
+    for the batch (the one whose draft model has least to read, then the same one again), the
+    others wait at K = 0 without their draft models reading a thing; where every draft is
+    rejected, the learner stays at K = 1, and once the pool is warm nobody drafts. The control:
+    every request of the batch drafting to learn (the old rule) paid four first reads and
+    three rounds of drafts. Where the learner's drafts are all kept, the batch drafts once the
+    pool is warm."""
+    costs = gguf_costs()
+    pool = PooledAcceptance()
+    batch = [Adaptive(costs=costs, pool=pool) for _ in range(4)]
+    lags = [40, 36, 36, 40]  # the sinks and scout of each prompt's end (unread)
+    ks_by_round = []
+    while batch[0].learning("model"):
+        contexts = [RoundContext(8, 1048 + len(ks_by_round), 128, lag=lag) for lag in lags]
+        decided = decide_together(batch, contexts, costs)
+        ks_by_round.append([d.k for d in decided])
+        for i, (policy, decision) in enumerate(zip(batch, decided, strict=True)):
+            policy.observe(decision.k, 0)
+            lags[i] = 1 if decision.k else lags[i] + 1
+        assert len(ks_by_round) <= 12
+    assert all(ks == [0, 1, 0, 0] for ks in ks_by_round)  # the control: [1, 1, 1, 1] first
+    assert "waiting" in decided[0].reason and "learning" in decided[1].reason
+    contexts = [RoundContext(8, 1060, 128, lag=lag) for lag in lags]
+    assert [d.k for d in decide_together(batch, contexts, costs)] == [0, 0, 0, 0]
+    kept = PooledAcceptance()
+    short = [Adaptive(costs=costs, pool=kept) for _ in range(2)]
+    ks = []
+    while short[1].learning("model"):
+        decided = decide_together(short, [RoundContext(8, 100, 256, lag=1)] * 2, costs)
+        ks.append(decided[0].k)
+        assert decided[1].k == 0
+        short[0].observe(decided[0].k, decided[0].k)
+    assert ks == [1] * 9  # at K = 1, POOL_WARM drafts (decayed) are judged in nine rounds
+    assert (
+        min(d.k for d in decide_together(short, [RoundContext(8, 120, 236, lag=1)] * 2, costs)) >= 1
+    )
 
 
 def test_a_batch_keeps_its_course_where_drafting_and_the_target_alone_price_alike():

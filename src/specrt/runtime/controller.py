@@ -146,8 +146,10 @@ class Adaptive:
         return (accepted + self.pool_weight * pooled) / (accepted + rejected + self.pool_weight)
 
     def learning(self, source: str) -> bool:
-        """Whether its runtime's pool has yet to learn this source's acceptance."""
-        return self.pool is not None and not self.pool.warm(source, self.member)
+        """Whether its runtime's pool has yet to learn this source's acceptance, from any
+        request's drafts, its own included: one request learns for a batch (joint.py's
+        `_learner`), and stops learning once it has."""
+        return self.pool is not None and not self.pool.warm(source)
 
     def cap(self, ctx: RoundContext) -> tuple[int, str]:
         """The most drafts this request takes this round, and why it is lower than its source's

@@ -47,9 +47,10 @@ class PooledAcceptance:
     def warm(self, source: str, without: int | None = None) -> bool:
         """Whether the runtime has judged enough of this source's drafts (POOL_WARM), those of
         request `without` aside, to price them in a batch. Before that, a batch drafts to
-        learn: priced from a fixed prior instead, a server that starts under load never
-        drafted (at 2 clients on the gguf target, K = 0 throughout where fixed K = 1 ran 1.03x
-        faster), since in a batch no probe widens the call."""
+        learn (one request of it, joint.py's `_learner`): priced from a fixed prior instead, a
+        server that starts under load never drafted (at 2 clients on the gguf target, K = 0
+        throughout where fixed K = 1 ran 1.03x faster), since in a batch no probe widens the
+        call."""
         return sum(self._counts(source, without)) >= POOL_WARM
 
     def observe(self, source: str, accepted: int, rejected: int, who: int | None = None) -> None:

@@ -26,6 +26,7 @@ K_MARGIN = 0.03  # options priced within this share of the best are equal: the f
 REFRESH_MARGIN = 1.15  # a stale call (costs.STALE_AFTER) is re-timed if it prices this close
 REFRESH_ALWAYS = 64  # ...and once this many rounds old, however far it prices (see `_refresh`)
 WARM_UP_K = 4  # drafts a round takes while a source cannot be priced yet
+ALPHA_TOP = 0.999  # acceptance is priced at most this (expected_tokens divides by 1 - alpha)
 
 
 def decide_round(policies: Sequence[Policy], contexts: Sequence[RoundContext], costs: StepCosts):
@@ -87,7 +88,7 @@ def _warm_ups(policies, contexts, capped, costs: StepCosts, others) -> dict[int,
             decisions[i] = Decision(k, why)
     if learning:
         learner = min(learning, key=lambda i: contexts[i].lag)
-        for i in learning:
+        for i in [i for i in learning if i != learner]:
             cap, note = capped[i]
             why = f"{note}batch {batch}: waiting, another request learns the draft's acceptance"
             decisions[i] = Decision(min(policies[i].k_min, cap), why)
@@ -109,7 +110,7 @@ def _learner(policy, ctx: RoundContext, capped, costs: StepCosts, others) -> Dec
     same request again. Where its drafts pay, its K grows with them, and the pool it warms
     (POOL_WARM judged drafts) starts the others from its acceptance."""
     cap, note = capped
-    alpha = min(policy.alpha(ctx.source), 0.999)
+    alpha = min(policy.alpha(ctx.source), ALPHA_TOP)
     lag = [(ctx.lag, ctx.remaining)]
     options = [
         (*price_round([k], [alpha], [ctx.source], lag, others, costs), [k])
@@ -127,7 +128,7 @@ def _priced(policies, contexts, capped, costs: StepCosts, others) -> list[Decisi
     caps = [cap for cap, _ in capped]
     lows = [min(p.k_min, cap) for p, cap in zip(policies, caps, strict=True)]
     sources = [c.source for c in contexts]
-    alphas = [min(p.alpha(s), 0.999) for p, s in zip(policies, sources, strict=True)]
+    alphas = [min(p.alpha(s), ALPHA_TOP) for p, s in zip(policies, sources, strict=True)]
     lags = [(c.lag, c.remaining) for c in contexts]
     options = []
     for k_model, k_free in _pairs_of_k(caps, sources):

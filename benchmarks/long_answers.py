@@ -29,9 +29,10 @@ def speculation_row(
     """One size, in this process: each run (the target alone, adaptive speculation reading the
     prompt whole or in its window, fixed:K) answering `answer` tokens after the same prompts
     (`clients` of them, each its own cut of the source, CLIENT_OFFSET tokens apart), each run in
-    a runtime of its own. A warm-up pays each runtime's prefill (the prompt cache then holds
-    the prompts in their slots; the target alone's is the row's first token), then the runs
-    take `repeat` turns, round by round in turn (`_interleaved`)."""
+    a runtime of its own. A warm-up pays the target alone's prefill (the row's first token)
+    and copies it into the other runs' slots (`_share_prefill`; the prompt cache then holds
+    the prompts there), then the runs take `repeat` turns, round by round in turn
+    (`_interleaved`)."""
     from specrt.runtime import SpeculativeRuntime
     from specrt.runtime.drafters import DRAFT_WINDOW
 
@@ -55,6 +56,8 @@ def speculation_row(
     calibrated = {name: copy.deepcopy(rt.costs) for name, rt in runtimes.items()}
     waited = {}
     for name, rt in runtimes.items():
+        if name != "target":
+            _share_prefill(first, rt)
         started = time.perf_counter()
         _run_alone(rt, prompts, 1, options[name])
         waited[name] = round(time.perf_counter() - started, 2)
@@ -65,6 +68,23 @@ def speculation_row(
     row |= {name: _mean(done) for name, done in turns.items()}
     row["target"]["ttft_s"] = waited["target"]
     return row
+
+
+def _share_prefill(source, rt) -> None:
+    """Give another run's target slots what the target alone's hold after its warm-up, copied:
+    the numbers that run's own prefill would compute (a position's keys and values depend on
+    neither how calls are cut nor their neighbours, docs/batching.md), so a row pays one
+    prefill where it paid one per run (4 minutes per 8,000-token prompt on 2 cores, 16 per run
+    at 4 clients). Its warm-up then finds the prompts in the slots, as the target alone's
+    turns do. A device cache has no host copy: each run there pays its own."""
+    for slot in range(source.target.slots):
+        held = source.target.held(slot)
+        if not held:
+            continue
+        data = source.target.read_positions(slot, 0, len(held))
+        if data is None:
+            return
+        rt.target.write_positions(slot, held, data)
 
 
 def _options(name: str, rt) -> dict:

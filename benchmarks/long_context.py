@@ -14,8 +14,9 @@ prompt cache off). Each row runs in a process of its own, so its peak RSS
 
 `--speculation` answers `--answer` tokens with the target alone, then with adaptive speculation
 whose draft model reads the prompt's last 512 tokens (the default `--draft-window`) and with one
-that reads it whole. Each run has a runtime of its own, which pays the prompt's prefill once
-(the target alone's is the row's first token; the prompt cache keeps it in the slot), and the
+that reads it whole. Each run has a runtime of its own; the target alone's pays the prompt's
+prefill (the row's first token) and the others get a copy of its slots (the same numbers, one
+prefill a row where there was one a run; the prompt cache keeps it in the slot), and the
 runs then answer round by round in turn: one round of each, then the next, so that the
 machine's drift (10 % within a minute on a shared 2-core machine) falls on every run alike.
 A run's speed is its tokens after the first over the seconds of its own rounds, the draft

@@ -100,6 +100,7 @@ class Adaptive:
     idle: int = field(init=False, default=0)  # rounds in a row without drafting
     last_k: int | None = field(init=False, default=None)  # drafts of its last round
     probing: bool = field(init=False, default=False)  # its last decision was a probe
+    probed: bool = field(init=False, default=False)  # ...and its last round (observed)
     refreshing: bool = field(init=False, default=False)  # ...or re-timed the call without drafts
     member: int | None = field(init=False, default=None)  # its key in the pool
 
@@ -177,7 +178,7 @@ class Adaptive:
             self.refreshing = False
             return
         self.idle = 0 if k else self.idle + 1
-        self.last_k = k
+        self.last_k, self.probed = k, self.probing
         if self.probing:
             self.probing = False
             if accepted:  # the text has moved on (a code block, a quote): its old drafts with it

@@ -30,6 +30,19 @@ error). On a shared machine a sample counts at most `SPIKE` times the estimate i
 stall moves it 15 %; a lasting slowdown still shows within a few rounds), and calibration keeps
 the fastest of its repeats at every batch size.
 
+A long prompt is not a drift: it slows every call of the requests behind it, by the context
+they carry, not by a share of every call. Carried by the drift, after 8,000 tokens at 4 clients
+the K = 0 call's rise scaled the 8-row call's calibration with it, 1.61x its price where it took
+1.3-1.45x (and a sample counts at most SPIKE times the estimate, so the drift took ten rounds
+to climb there): a round at K = 1 was priced 1.79x one at K = 0 where it took 1.46x, and the
+batch stopped drafting where fixed K = 1 ran 1.04-1.08x the target alone. So each count keeps
+the context it was timed at (`lengths`), a count timed far from it (`far`: a long prompt, or a
+short one after long ones) takes its time as is without moving the drift, and the counts not
+timed at this context yet are priced by a slope learnt from those that were (`per_token`: a
+call at L tokens of context costs (1 + c·L) / (1 + c·L') what it cost at L'). The first few
+timings after such a jump refine the count's own time alone (SETTLE): one sample fixed the
+ratio between counts that only the drift moves after it.
+
 A lookup (n-gram, prediction) costs nothing next to a call (about 0.05 ms at 2,048 tokens).
 """
 
@@ -44,6 +57,8 @@ SMOOTHING = 0.3  # weight of a new observation: follows load changes within a fe
 SPIKE = 1.5  # an observation counts at most this many times the estimate it refines
 STALE_AFTER, STALE_WEIGHT = 16, 0.5  # rounds untimed after which a verify count is stale
 PREFIX = 48  # tokens of context behind a calibration call, a typical short prompt
+FAR, FAR_BY = 2.0, 512  # a context this many times another, and this many tokens more, is far
+SETTLE = 4  # timings after a far jump that refine the count's own time alone
 # Draft calls of this many new tokens in one row: the curve a catch-up (the prompt, rounds served
 # by a lookup or at K = 0) is priced on, extrapolated past 33 until the rounds measure catch-ups
 # of their own sizes (draft_together reports them). With draft steps alone a one-slot runtime
@@ -61,6 +76,10 @@ class StepCosts:
     at: dict[int, float] = field(default_factory=dict)  # verify rows: the drift when last timed
     rounds: int = 0  # verify calls timed since calibration: the clock of `verify_age`
     timed: dict[int, int] = field(default_factory=dict)  # verify rows: the round last timed
+    context: float = PREFIX  # tokens of context behind the rows of the last call timed
+    lengths: dict[int, float] = field(default_factory=dict)  # verify rows: context when timed
+    per_token: float = 0.0  # how much dearer a call gets per token of context (a share)
+    settling: dict[int, int] = field(default_factory=dict)  # verify rows: own timings left
 
     def ready_for(self, source: str) -> bool:
         """Whether a round drafted by source can be priced yet."""
@@ -92,28 +111,49 @@ class StepCosts:
         """One batched draft step of `rows` rows (its padding included)."""
         self.draft[rows] = _blend(self.draft.get(rows), seconds)
 
-    def observe_verify(self, rows: int, seconds: float) -> None:
-        """One verify call: refines its count, and where that count is fresh, the drift (see
-        the module docstring). A stale count's price is from another spell of the machine's
-        load: a faster time replaces it (noise only ever adds time), a slower one counts
-        STALE_WEIGHT. Blended like a fresh count's, a price 15 % dear took five re-timings, 84
-        rounds, to give way to the faster call (tests/test_controller.py's case). Taking a
-        slower time as is, one slow call priced the target alone out of `_refresh`'s reach for
-        good: 8 clients drafted at K 1.9 where K = 0 was best (0.83x the target alone)."""
+    def observe_verify(self, rows: int, seconds: float, context: float | None = None) -> None:
+        """One verify call, its rows' mean context given where known: refines its count, and
+        where that count is fresh, the drift (see the module docstring). A stale count's price
+        is from another spell of the machine's load: a faster time replaces it (noise only ever
+        adds time), a slower one counts STALE_WEIGHT. Blended like a fresh count's, a price 15 %
+        dear took five re-timings, 84 rounds, to give way to the faster call
+        (tests/test_controller.py's case). Taking a slower time as is, one slow call priced the
+        target alone out of `_refresh`'s reach for good: 8 clients drafted at K 1.9 where K = 0
+        was best (0.83x the target alone). A count timed far from its last context takes its
+        time as is and teaches the slope; its next SETTLE timings refine it alone."""
+        if context is not None:
+            self.context = context
         old = self.verify.get(rows)
-        if old is None:
+        if old is None or far(self.lengths.get(rows, PREFIX), self.context):
             new = seconds
+            if old is not None:
+                self._learn_slope(rows, seconds)
+                self.settling[rows] = SETTLE
         else:
-            old *= self.drift / self.at.get(rows, 1.0)
+            old = self.verify[rows] * self._since(rows)
             if self.verify_age(rows) >= STALE_AFTER:
                 new = seconds if seconds < old else _blend(old, seconds, STALE_WEIGHT)
             else:
                 new = _blend(old, seconds)
-                self.drift *= new / old
+                if self.settling.get(rows):
+                    self.settling[rows] -= 1
+                else:
+                    self.drift *= new / old
         self.verify[rows] = new
         self.at[rows] = self.drift
+        self.lengths[rows] = self.context
         self.rounds += 1
         self.timed[rows] = self.rounds
+
+    def _learn_slope(self, rows: int, seconds: float) -> None:
+        """The per-token slope that explains a count's new time at this context from its last
+        one (the drift since carried): (1 + c·L) / (1 + c·L') = ratio. Never below 0: a call
+        that got faster at a longer context was a faster spell, not the context."""
+        then = self.lengths.get(rows, PREFIX)
+        ratio = seconds / (self.verify[rows] * self.drift / self.at.get(rows, 1.0))
+        gap = self.context - ratio * then
+        if gap != 0:
+            self.per_token = max(0.0, (ratio - 1) / gap)
 
     def verify_age(self, rows: int) -> int:
         """Rounds since a verify call of `rows` rows was last timed (calibration is round 0,
@@ -121,14 +161,26 @@ class StepCosts:
         return self.rounds - self.timed.get(rows, 0)
 
     def curve(self) -> dict[int, float]:
-        """Each measured count's price now: its own time, scaled by the drift since."""
-        drift, at = self.drift, self.at
-        return {n: t * drift / at.get(n, 1.0) for n, t in sorted(self.verify.items())}
+        """Each measured count's price now: its own time, scaled by the drift since and by the
+        slope from the context it was timed at to this one."""
+        return {n: t * self._since(n) for n, t in sorted(self.verify.items())}
+
+    def _since(self, rows: int) -> float:
+        c = self.per_token
+        stretch = (1 + c * self.context) / (1 + c * self.lengths.get(rows, PREFIX))
+        return stretch * self.drift / self.at.get(rows, 1.0)
 
     @property
     def draft_step(self) -> float | None:
         """One draft step of one row, as reported beside the verify curve."""
         return _price(self.draft, 1) if self.draft else None
+
+
+def far(context: float, other: float) -> bool:
+    """Whether two contexts are far apart (FAR times and FAR_BY tokens): a prompt's length
+    shows in every call's time, a long answer's growth does not need to be told."""
+    low, high = sorted((context, other))
+    return high > FAR * low + FAR_BY
 
 
 def _price(curve: dict[int, float], rows: float) -> float:

@@ -17,8 +17,7 @@ from specrt.runtime.pricing import ROUND_LAG, price_round, verify_rows
 if TYPE_CHECKING:
     from specrt.runtime.controller import Adaptive
 
-PROBE_AFTER = 16  # rounds at K = 0 after which an adaptive request drafts one token again...
-PROBE_COST = 1.1  # ...in a batch, if the wider call costs at most this much more than its round
+PROBE_AFTER = 16  # rounds at K = 0 after which an adaptive request in a batch probes again...
 PROBE_AFTER_ALONE = 4  # ...alone, after this many (see `_probed`)...
 PROBE_SHARE = 0.03  # ...if its extra cost is at most this share of the rounds it waited
 SWITCH_GAIN = 1.05  # a batch starts or stops the model's drafts only for this much more tok/s
@@ -137,15 +136,17 @@ def _priced(policies, contexts, capped, costs: StepCosts, others) -> list[Decisi
             for s, low, cap in zip(sources, lows, caps, strict=True)
         ]
         options.append((*price_round(ks, alphas, sources, lags, others, costs), ks))
+    batch = len(policies) + len(others)
     drafting = any(
-        p.last_k and c.lag <= ROUND_LAG + 1  # + 1: a round that re-timed the call (_refresh)
+        p.last_k
+        and c.lag <= ROUND_LAG + 1  # + 1: a round that re-timed the call (_refresh)
+        and not (batch > 1 and p.probed)  # one request's probe is no batch's course
         for p, c in zip(policies, contexts, strict=True)
         if c.source == "model"
     )
     chosen = _keep_course(options, sources, drafting)
     refresh = _refresh(options, chosen, sources, others, costs)
     rate, draft, verify, ks = refresh or chosen
-    batch = len(policies) + len(others)
     base = costs.verify_cost(batch)  # the batch's call at K = 0
     shares = f"c_draft(K)/c_verify={draft / base:.2f} c_verify(K)/c_verify(0)={verify / base:.2f}"
     size = f"batch {batch}: " if batch > 1 else ""
@@ -165,32 +166,34 @@ def _probed(policies, contexts, caps, ks, reasons, costs: StepCosts, batch, pric
     """The decisions, one request probing acceptance (K = 1) after rounds without drafts
     where that is cheap; an accepted probe lets the request price its drafts afresh
     (`Adaptive.observe`). A probe widens the whole call to 2 tokens a row and may first catch
-    the draft model up on every token since it last drafted. In a batch everyone waits for
-    both, so a probe goes ahead only after PROBE_AFTER rounds, where the round stays within
-    PROBE_COST of its price, one request per round; alone, a request delays only itself: after
-    PROBE_AFTER_ALONE rounds, its probe's extra cost, less the draft it expects to keep, spread
-    over the rounds it waited, must stay under PROBE_SHARE of a round. (Held to PROBE_COST
-    alone too, a request on a verify curve 12 % wider at 2 tokens never probed, and never
-    drafted again once it had stopped. Not crediting the draft it keeps, a probe at acceptance
-    0.4 was priced 45 ms dear in 200. Held to PROBE_AFTER alone, a summary whose opening the
-    draft guessed badly waited 16 rounds for a probe its price allowed after 5: 0.89x fixed
-    K = 1 on an AVX2 EPYC.)"""
+    the draft model up on every token since it last drafted; in a batch everyone waits for
+    both. So of the requests waiting at K = 0, the one whose probe costs least goes ahead
+    once they all waited PROBE_AFTER rounds in a batch (PROBE_AFTER_ALONE alone), if its
+    extra cost, less the draft it expects to keep (a token of the round), spread over the
+    rounds they waited, stays under PROBE_SHARE of a round. Held to one round's price
+    instead (within 10 % of it), a batch after 8,000 tokens whose wider call cost 1.4x never
+    probed: a summary whose opening the draft guessed badly held 4 clients at K = 0 for 3
+    turns, ~380 rounds, 0.91x fixed K = 1 on an AVX2 EPYC; alone, that rule never probed on a
+    verify curve 12 % wider at 2 tokens. Counted by each request's own wait, 4 clients probed
+    in 4 rounds in a row, each at the share the rounds allowed one. Not crediting the draft
+    it keeps, a probe at acceptance 0.4 was priced 45 ms dear in 200."""
+    decisions = [Decision(k, why) for k, why in zip(ks, reasons, strict=True)]
+    waiting = [i for i, (k, cap) in enumerate(zip(ks, caps, strict=True)) if not k and cap]
+    waited = min((policies[i].idle for i in waiting), default=0)
+    if waited < (PROBE_AFTER if batch > 1 else PROBE_AFTER_ALONE):
+        return decisions
     wider = costs.verify_cost(batch * max(2, max(ks) + 1))
-    after = PROBE_AFTER if batch > 1 else PROBE_AFTER_ALONE
-    probed = False
-    decisions = []
-    for policy, k, cap, why, ctx in zip(policies, ks, caps, reasons, contexts, strict=True):
-        catch_up = costs.catch_up_cost(ctx.lag) if ctx.source == "model" else 0.0
-        if batch > 1:
-            cheap_probe = wider + catch_up <= PROBE_COST * price
-        else:
-            extra = wider - price + costs.draft_cost(ctx.source, 1) + catch_up
-            extra -= policy.alpha(ctx.source) * price  # the draft it keeps: a round's token
-            cheap_probe = extra <= PROBE_SHARE * price * policy.idle
-        if k == 0 and cap > 0 and policy.idle >= after and cheap_probe and not probed:
-            k, why = 1, f"{why}; probing acceptance after {policy.idle} rounds without drafts"
-            probed = policy.probing = True
-        decisions.append(Decision(k, why))
+    extras = {}
+    for i in waiting:
+        source, lag = contexts[i].source, contexts[i].lag
+        catch_up = costs.catch_up_cost(lag) if source == "model" else 0.0
+        extra = wider - price + costs.draft_cost(source, 1) + catch_up
+        extras[i] = extra - policies[i].alpha(source) * price / batch  # the draft it keeps
+    i = min(extras, key=extras.get)
+    if extras[i] <= PROBE_SHARE * price * waited:
+        policies[i].probing = True
+        why = f"{reasons[i]}; probing acceptance after {waited} rounds without drafts"
+        decisions[i] = Decision(1, why)
     return decisions
 
 
@@ -200,7 +203,9 @@ def _keep_course(options: list[tuple], sources: Sequence[str], drafting: bool) -
     Where drafting and the target alone price within noise of each other, the choice flipped
     round by round, and every return to drafting first fed the draft model all it had missed:
     adaptive drafted a mean K of 0.47 at 4 clients and ran at 0.81x the target alone, which
-    either course alone matched."""
+    either course alone matched. In a batch one request's probe sets no course: its draft
+    model alone caught up, 4 clients at acceptance 0.3 drafted on after it where K = 0 priced
+    5 % better (tests/test_controller.py's case)."""
 
     chosen = _best(options)
     same = [option for option in options if _model_drafts(option, sources) == drafting]

@@ -109,7 +109,8 @@ def speculate(reqs: list[Sequence], target: Engine, costs: StepCosts) -> Round:
         emitted.append(kept)
         logprobs.append(entries)
     drafted = [len(p.tokens) for p in proposals]
-    _observe_costs(costs, drafted, steps, t2 - t1)
+    context = sum(c.position for c in contexts) / len(contexts)
+    _observe_costs(costs, drafted, steps, t2 - t1, context)
     sources = [o.source if n else "none" for o, n in _pairs(offers, drafted)]
     return Round(decisions, sources, drafted, accepted, emitted, t1 - t0, t2 - t1, logprobs)
 
@@ -173,10 +174,10 @@ def _propose(reqs: list[Sequence], offers: list[Offer], decisions: list[Decision
     return proposals, steps
 
 
-def _observe_costs(costs, drafted, steps: Steps, verify_s: float) -> None:
-    """Refine the cost curves with what this round's calls took: the verify call, and each
-    call of the draft model (catch-ups and batched steps) by its rows (forced tokens and
-    lookups cost it nothing)."""
-    costs.observe_verify(len(drafted) * (max(drafted) + 1), verify_s)
+def _observe_costs(costs, drafted, steps: Steps, verify_s: float, context: float) -> None:
+    """Refine the cost curves with what this round's calls took: the verify call, at its
+    rows' mean context, and each call of the draft model (catch-ups and batched steps) by its
+    rows (forced tokens and lookups cost it nothing)."""
+    costs.observe_verify(len(drafted) * (max(drafted) + 1), verify_s, context)
     for rows, seconds in steps:
         costs.observe_draft(rows, seconds)

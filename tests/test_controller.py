@@ -596,15 +596,19 @@ def test_a_batch_that_stopped_drafting_probes_at_a_share_of_its_wait():
     assert len(probes) <= 120 // PROBE_AFTER
 
 
-def test_no_probe_where_it_would_widen_a_compute_bound_call():
-    """In a batch of 16 at K = 0, one probe makes the call 32 rows (twice the cost here):
-    the batch would pay for one request's curiosity, so nobody probes."""
+def test_no_probe_where_no_acceptance_could_pay(monkeypatch):
+    """In a batch of 16 at K = 0, one probe makes the call 32 rows (twice the cost here): even
+    drafts all kept would not pay for the wider call, so however long the batch has waited
+    (its share would allow a probe), nobody probes. Control: allowed to hope, one probes."""
     costs = _batch_costs()
     policies = [Adaptive(costs=costs, prior_alpha=0.3) for _ in range(16)]
     for policy in policies:
-        policy.idle = PROBE_AFTER
+        policy.idle = 10 * PROBE_AFTER
     decisions = decide_together(policies, [RoundContext(8, 50, 256)] * 16, costs)
     assert [d.k for d in decisions] == [0] * 16
+    monkeypatch.setattr("specrt.runtime.joint._could_pay", lambda *args: True)
+    decisions = decide_together(policies, [RoundContext(8, 50, 256)] * 16, costs)
+    assert sorted(d.k for d in decisions) == [0] * 15 + [1]
 
 
 def test_a_draft_cache_far_behind_is_priced_and_not_probed():

@@ -159,7 +159,19 @@ def _priced(policies, contexts, capped, costs: StepCosts, others) -> list[Decisi
         reasons = [f"{why}; re-timing the call without drafts, {age} rounds old" for why in reasons]
         for policy, source in zip(policies, sources, strict=True):
             policy.refreshing = source == "model"
+    if not _could_pay(ks, caps, sources, lags, others, costs, rate):
+        return [Decision(k, why) for k, why in zip(ks, reasons, strict=True)]
     return _probed(policies, contexts, caps, ks, reasons, costs, batch, draft + verify)
+
+
+def _could_pay(ks, caps, sources, lags, others, costs: StepCosts, rate: float) -> bool:
+    """Whether drafting could beat this round by SWITCH_GAIN at all: every request with room
+    drafting at least one token, every draft kept. Where not even that pays (a compute-bound
+    call at 8 clients: its rows at 2 tokens cost 1.7x), no acceptance a probe could find would
+    change the course, and a probe is a tax of up to PROBE_SHARE of the batch's time."""
+    hopeful = [max(k, 1) if cap else k for k, cap in zip(ks, caps, strict=True)]
+    top = [ALPHA_TOP] * len(ks)
+    return price_round(hopeful, top, sources, lags, others, costs)[0] > SWITCH_GAIN * rate
 
 
 def _probed(policies, contexts, caps, ks, reasons, costs: StepCosts, batch, price) -> list:

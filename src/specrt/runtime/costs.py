@@ -150,7 +150,7 @@ class StepCosts:
         one (the drift since carried): (1 + c·L) / (1 + c·L') = ratio. Never below 0: a call
         that got faster at a longer context was a faster spell, not the context."""
         then = self.lengths.get(rows, PREFIX)
-        ratio = seconds / (self.verify[rows] * self.drift / self.at.get(rows, 1.0))
+        ratio = seconds / (self.verify[rows] * self._drifted(rows))
         gap = self.context - ratio * then
         if gap != 0:
             self.per_token = max(0.0, (ratio - 1) / gap)
@@ -168,7 +168,10 @@ class StepCosts:
     def _since(self, rows: int) -> float:
         c = self.per_token
         stretch = (1 + c * self.context) / (1 + c * self.lengths.get(rows, PREFIX))
-        return stretch * self.drift / self.at.get(rows, 1.0)
+        return stretch * self._drifted(rows)
+
+    def _drifted(self, rows: int) -> float:
+        return self.drift / self.at.get(rows, 1.0)
 
     @property
     def draft_step(self) -> float | None:

@@ -159,22 +159,22 @@ def _priced(policies, contexts, capped, costs: StepCosts, others) -> list[Decisi
         reasons = [f"{why}; re-timing the call without drafts, {age} rounds old" for why in reasons]
         for policy, source in zip(policies, sources, strict=True):
             policy.refreshing = source == "model"
-    if not _could_pay(ks, caps, sources, lags, others, costs, rate):
-        return [Decision(k, why) for k, why in zip(ks, reasons, strict=True)]
-    return _probed(policies, contexts, caps, ks, reasons, costs, batch, draft + verify)
+    return _probed(policies, contexts, caps, reasons, costs, others, (rate, draft, verify, ks))
 
 
-def _could_pay(ks, caps, sources, lags, others, costs: StepCosts, rate: float) -> bool:
+def _could_pay(contexts, caps, ks, others, costs: StepCosts, rate: float) -> bool:
     """Whether drafting could beat this round by SWITCH_GAIN at all: every request with room
     drafting at least one token, every draft kept. Where not even that pays (a compute-bound
     call at 8 clients: its rows at 2 tokens cost 1.7x), no acceptance a probe could find would
     change the course, and a probe is a tax of up to PROBE_SHARE of the batch's time."""
     hopeful = [max(k, 1) if cap else k for k, cap in zip(ks, caps, strict=True)]
+    sources = [c.source for c in contexts]
+    lags = [(c.lag, c.remaining) for c in contexts]
     top = [ALPHA_TOP] * len(ks)
     return price_round(hopeful, top, sources, lags, others, costs)[0] > SWITCH_GAIN * rate
 
 
-def _probed(policies, contexts, caps, ks, reasons, costs: StepCosts, batch, price) -> list:
+def _probed(policies, contexts, caps, reasons, costs: StepCosts, others, chosen) -> list:
     """The decisions, one request probing acceptance (K = 1) after rounds without drafts
     where that is cheap; an accepted probe lets the request price its drafts afresh
     (`Adaptive.observe`). A probe widens the whole call to 2 tokens a row and may first catch
@@ -182,17 +182,21 @@ def _probed(policies, contexts, caps, ks, reasons, costs: StepCosts, batch, pric
     both. So of the requests waiting at K = 0, the one whose probe costs least goes ahead
     once they all waited PROBE_AFTER rounds in a batch (PROBE_AFTER_ALONE alone), if its
     extra cost, less the draft it expects to keep (a token of the round), spread over the
-    rounds they waited, stays under PROBE_SHARE of a round. Held to one round's price
-    instead (within 10 % of it), a batch after 8,000 tokens whose wider call cost 1.4x never
-    probed: a summary whose opening the draft guessed badly held 4 clients at K = 0 for 3
-    turns, ~380 rounds, 0.91x fixed K = 1 on an AVX2 EPYC; alone, that rule never probed on a
-    verify curve 12 % wider at 2 tokens. Counted by each request's own wait, 4 clients probed
-    in 4 rounds in a row, each at the share the rounds allowed one. Not crediting the draft
-    it keeps, a probe at acceptance 0.4 was priced 45 ms dear in 200."""
+    rounds they waited, stays under PROBE_SHARE of a round, and drafting could pay at all
+    (`_could_pay`). Held to one round's price instead (within 10 % of it), a batch after
+    8,000 tokens whose wider call cost 1.4x never probed: a summary whose opening the draft
+    guessed badly held 4 clients at K = 0 for 3 turns, ~380 rounds, 0.91x fixed K = 1 on an
+    AVX2 EPYC; alone, that rule never probed on a verify curve 12 % wider at 2 tokens.
+    Counted by each request's own wait, 4 clients probed in 4 rounds in a row, each at the
+    share the rounds allowed one. Not crediting the draft it keeps, a probe at acceptance
+    0.4 was priced 45 ms dear in 200."""
+    rate, draft, verify, ks = chosen
+    price, batch = draft + verify, len(policies) + len(others)
     decisions = [Decision(k, why) for k, why in zip(ks, reasons, strict=True)]
     waiting = [i for i, (k, cap) in enumerate(zip(ks, caps, strict=True)) if not k and cap]
     waited = min((policies[i].idle for i in waiting), default=0)
-    if waited < (PROBE_AFTER if batch > 1 else PROBE_AFTER_ALONE):
+    soon = waited < (PROBE_AFTER if batch > 1 else PROBE_AFTER_ALONE)
+    if soon or not _could_pay(contexts, caps, ks, others, costs, rate):
         return decisions
     wider = costs.verify_cost(batch * max(2, max(ks) + 1))
     extras = {}

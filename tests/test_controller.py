@@ -8,7 +8,7 @@ from fixed_costs import flat_costs, gguf_costs
 
 from specrt.runtime import SpeculativeRuntime
 from specrt.runtime.controller import Adaptive, Fixed, Heuristic, make_controller
-from specrt.runtime.costs import STALE_AFTER, StepCosts
+from specrt.runtime.costs import PREFIX, STALE_AFTER, StepCosts
 from specrt.runtime.joint import (
     K_MARGIN,
     PROBE_AFTER,
@@ -532,22 +532,55 @@ def _after_a_long_prompt(costs: StepCosts) -> StepCosts:
 
 def test_a_long_prompt_is_priced_at_the_context_each_call_was_timed_at(monkeypatch):
     """Each count timed after the long prompt keeps its own time there (8 rows 1.27x 4 rows,
-    as measured), and a count not timed there yet (12 rows) is priced by the slope those
-    taught, above the 8-row call. Controls: carried by the drift alone, the 8-row call kept
-    calibration's 1.46x of the 4-row one (the fault measured at 8,000 tokens); and without the
-    slope the untimed 12-row call stays at its calibration, which drags every narrower count
-    down to it (no count is priced above a larger one)."""
+    as measured), and a count not timed there yet is priced by the seconds per token of
+    context those taught, added to its own (24 rows), but never below the dearest narrower
+    count timed there (10 rows, whose own time plus the slope comes to less than the 8-row
+    call's and would drag it down: no count is priced above a larger one). Control: carried
+    by the drift alone, the 8-row call kept calibration's 1.46x of the 4-row one (the fault
+    measured at 8,000 tokens)."""
     shape = dict(gguf_costs().verify)
     costs = _after_a_long_prompt(StepCosts(verify=dict(shape)))
     assert costs.verify_cost(8) == pytest.approx(0.70, rel=0.01)
     assert costs.verify_cost(4) == pytest.approx(0.55, rel=0.01)
-    assert costs.verify_cost(12) > 1.1 * costs.verify_cost(8)
-    assert costs.verify_cost(12) == pytest.approx(shape[10] * 0.55 / shape[4] * 1.1, rel=0.2)
-    costs.per_token = 0.0
-    assert costs.verify_cost(4) < 0.3  # dragged to the 12-row call's calibration
+    added = 0.55 - shape[4]  # what the 4-row call gained at this context
+    assert costs.verify_cost(24) == pytest.approx(shape[24] + added, rel=0.02)
+    assert costs._moved(10) < 0.69  # unfloored, it would price the 8-row call below its time
+    assert costs.verify_cost(10) == pytest.approx(costs.verify_cost(8))
     monkeypatch.setattr("specrt.runtime.costs.FAR", 1e9)
     carried = _after_a_long_prompt(StepCosts(verify=dict(shape)))
     assert carried.verify_cost(8) / carried.verify_cost(4) == pytest.approx(shape[8] / shape[4])
+
+
+def test_a_wide_call_not_timed_after_a_long_prompt_is_priced_by_what_the_context_added(
+    monkeypatch,
+):
+    """4 clients after 8,000 tokens whose runtime already knows their acceptance (0.5), so no
+    request learns and only the call without drafts is timed there (0.55 s, calibration's
+    4-row call plus the context's seconds): the 8-row call is priced as its calibration plus
+    the same seconds (each request's cache is read once a call, whatever its width), K = 1
+    earns more, and the batch drafts at once. Control: priced as the 4-row call's rise scaled
+    (a share, as before), the 8-row call cost 0.80 s where it took ~0.60, and the batch stayed
+    at K = 0 until a probe timed it (on an AMX Xeon, 23 rounds of a 95-round turn)."""
+
+    def ks() -> list[int]:
+        costs = StepCosts(draft=dict(gguf_costs().draft), verify=dict(gguf_costs().verify))
+        for n in range(20):
+            costs.observe_verify(4, 0.55, context=8000 + n)
+        batch = [Adaptive(costs=costs, prior_alpha=0.5, pool_weight=1e9) for _ in range(4)]
+        contexts = [RoundContext(8, 8020, 100, lag=2)] * 4
+        return [d.k for d in decide_together(batch, contexts, costs)]
+
+    assert ks() == [1] * 4
+
+    def scaled(costs: StepCosts, rows: int) -> float:  # the share: 1 + c·L over 1 + c·L'
+        then = costs.lengths.get(rows, PREFIX)
+        grown = costs.verify[4] / gguf_costs().verify[4]
+        share = (grown - 1) / (costs.context - grown * PREFIX)
+        stretch = (1 + share * costs.context) / (1 + share * then)
+        return costs.verify[rows] * stretch * costs._drifted(rows)
+
+    monkeypatch.setattr(StepCosts, "_moved", scaled)
+    assert ks() == [0] * 4
 
 
 def test_after_a_long_prompt_a_batch_drafts_where_its_calls_say_it_pays(monkeypatch):

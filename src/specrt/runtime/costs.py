@@ -38,8 +38,15 @@ to climb there): a round at K = 1 was priced 1.79x one at K = 0 where it took 1.
 batch stopped drafting where fixed K = 1 ran 1.04-1.08x the target alone. So each count keeps
 the context it was timed at (`lengths`), a count timed far from it (`far`: a long prompt, or a
 short one after long ones) takes its time as is without moving the drift, and the counts not
-timed at this context yet are priced by a slope learnt from those that were (`per_token`: a
-call at L tokens of context costs (1 + c·L) / (1 + c·L') what it cost at L'). The first few
+timed at this context yet are priced by what those that were taught (`per_token`): seconds a
+call gains per token of its requests' mean context, added to the count's own time, since each
+request's cache is read once a call whatever its width (a 4-row call took 0.114 s at 48 tokens
+and 0.486 s at 8,000, the 8-row call 0.166 and 0.57 s on an AMX Xeon). Scaled by the 4-row
+call's rise instead (a share), the 8-row call was priced 0.71 s, so a batch whose runtime had
+seen this text before stayed at K = 0 until a probe timed it (23 rounds of a 95-round turn,
+0.94x fixed K = 1). Such a price is a guess, and a guess too high is never tried, so it errs
+low: a count not timed at this context costs at least the dearest narrower one that was
+(`curve`), never dragging it down, and is timed as soon as it is chosen. The first few
 timings after such a jump refine the count's own time alone (SETTLE): one sample fixed the
 ratio between counts that only the drift moves after it.
 
@@ -78,7 +85,7 @@ class StepCosts:
     timed: dict[int, int] = field(default_factory=dict)  # verify rows: the round last timed
     context: float = PREFIX  # tokens of context behind the rows of the last call timed
     lengths: dict[int, float] = field(default_factory=dict)  # verify rows: context when timed
-    per_token: float = 0.0  # how much dearer a call gets per token of context (a share)
+    per_token: float = 0.0  # seconds a call gains per token of its requests' mean context
     settling: dict[int, int] = field(default_factory=dict)  # verify rows: own timings left
 
     def ready_for(self, source: str) -> bool:
@@ -130,7 +137,7 @@ class StepCosts:
                 self._learn_slope(rows, seconds)
                 self.settling[rows] = SETTLE
         else:
-            old = self.verify[rows] * self._since(rows)
+            old = self._moved(rows)
             if self.verify_age(rows) >= STALE_AFTER:
                 new = seconds if seconds < old else _blend(old, seconds, STALE_WEIGHT)
             else:
@@ -146,14 +153,13 @@ class StepCosts:
         self.timed[rows] = self.rounds
 
     def _learn_slope(self, rows: int, seconds: float) -> None:
-        """The per-token slope that explains a count's new time at this context from its last
-        one (the drift since carried): (1 + c·L) / (1 + c·L') = ratio. Never below 0: a call
-        that got faster at a longer context was a faster spell, not the context."""
-        then = self.lengths.get(rows, PREFIX)
-        ratio = seconds / (self.verify[rows] * self._drifted(rows))
-        gap = self.context - ratio * then
+        """The seconds per token of context that explain a count's new time at this context
+        from its last one (the drift since carried). Never below 0: a call that got faster at
+        a longer context was a faster spell, not the context."""
+        gap = self.context - self.lengths.get(rows, PREFIX)
         if gap != 0:
-            self.per_token = max(0.0, (ratio - 1) / gap)
+            added = seconds / self._drifted(rows) - self.verify[rows]
+            self.per_token = max(0.0, added / gap)
 
     def verify_age(self, rows: int) -> int:
         """Rounds since a verify call of `rows` rows was last timed (calibration is round 0,
@@ -161,14 +167,23 @@ class StepCosts:
         return self.rounds - self.timed.get(rows, 0)
 
     def curve(self) -> dict[int, float]:
-        """Each measured count's price now: its own time, scaled by the drift since and by the
-        slope from the context it was timed at to this one."""
-        return {n: t * self._since(n) for n, t in sorted(self.verify.items())}
+        """Each measured count's price now: its own time, moved by the slope from the context
+        it was timed at to this one, scaled by the drift since; a count not timed near this
+        context at least the dearest narrower one that was (see the module docstring)."""
+        prices, timed_here = {}, 0.0
+        for n in sorted(self.verify):
+            price = self._moved(n)
+            if far(self.lengths.get(n, PREFIX), self.context):
+                price = max(price, timed_here)
+            else:
+                timed_here = max(timed_here, price)
+            prices[n] = price
+        return prices
 
-    def _since(self, rows: int) -> float:
-        c = self.per_token
-        stretch = (1 + c * self.context) / (1 + c * self.lengths.get(rows, PREFIX))
-        return stretch * self._drifted(rows)
+    def _moved(self, rows: int) -> float:
+        """A count's own time, moved to this context by the slope and scaled by the drift."""
+        added = self.per_token * (self.context - self.lengths.get(rows, PREFIX))
+        return max(self.verify[rows] + added, 1e-9) * self._drifted(rows)
 
     def _drifted(self, rows: int) -> float:
         return self.drift / self.at.get(rows, 1.0)

@@ -532,35 +532,31 @@ def _after_a_long_prompt(costs: StepCosts) -> StepCosts:
 
 def test_a_long_prompt_is_priced_at_the_context_each_call_was_timed_at(monkeypatch):
     """Each count timed after the long prompt keeps its own time there (8 rows 1.27x 4 rows,
-    as measured), and a count not timed there yet is priced by the seconds per token of
-    context those taught, added to its own (24 rows), but never below the dearest narrower
-    count timed there (10 rows, whose own time plus the slope comes to less than the 8-row
-    call's and would drag it down: no count is priced above a larger one). Control: carried
-    by the drift alone, the 8-row call kept calibration's 1.46x of the 4-row one (the fault
-    measured at 8,000 tokens)."""
+    as measured); a count not timed there yet (24 rows) is priced as the dearest narrower one
+    that was, a guess that errs low and is tried; and after a short request, a count last
+    timed after the long prompt is priced at its calibration again. Control: carried by the
+    drift alone, the 8-row call kept calibration's 1.46x of the 4-row one (the fault measured
+    at 8,000 tokens)."""
     shape = dict(gguf_costs().verify)
     costs = _after_a_long_prompt(StepCosts(verify=dict(shape)))
     assert costs.verify_cost(8) == pytest.approx(0.70, rel=0.01)
     assert costs.verify_cost(4) == pytest.approx(0.55, rel=0.01)
-    added = 0.55 - shape[4]  # what the 4-row call gained at this context
-    assert costs.verify_cost(24) == pytest.approx(shape[24] + added, rel=0.02)
-    assert costs._moved(10) < 0.69  # unfloored, it would price the 8-row call below its time
-    assert costs.verify_cost(10) == pytest.approx(costs.verify_cost(8))
+    assert costs.verify_cost(24) == pytest.approx(costs.verify_cost(8))
+    costs.observe_verify(1, shape[1], context=100)  # a short request after them
+    assert costs.verify_cost(4) == pytest.approx(shape[4], rel=0.05)
     monkeypatch.setattr("specrt.runtime.costs.FAR", 1e9)
     carried = _after_a_long_prompt(StepCosts(verify=dict(shape)))
     assert carried.verify_cost(8) / carried.verify_cost(4) == pytest.approx(shape[8] / shape[4])
 
 
-def test_a_wide_call_not_timed_after_a_long_prompt_is_priced_by_what_the_context_added(
-    monkeypatch,
-):
+def test_a_wide_call_not_timed_after_a_long_prompt_is_tried(monkeypatch):
     """4 clients after 8,000 tokens whose runtime already knows their acceptance (0.5), so no
-    request learns and only the call without drafts is timed there (0.55 s, calibration's
-    4-row call plus the context's seconds): the 8-row call is priced as its calibration plus
-    the same seconds (each request's cache is read once a call, whatever its width), K = 1
-    earns more, and the batch drafts at once. Control: priced as the 4-row call's rise scaled
-    (a share, as before), the 8-row call cost 0.80 s where it took ~0.60, and the batch stayed
-    at K = 0 until a probe timed it (on an AMX Xeon, 23 rounds of a 95-round turn)."""
+    request learns and only the call without drafts is timed there (0.55 s): the 8-row call,
+    not timed there yet, is priced as that call (each request's cache is read once a call,
+    whatever its width: a guess that errs low), K = 1 earns more, and the batch drafts at once,
+    which times it. Control: priced as a share of the 4-row call's rise (the slope before), the
+    8-row call cost 0.80 s where it takes ~0.60, and the batch stayed at K = 0 until a probe
+    timed it (on an AMX Xeon, 23 rounds of a 95-round turn)."""
 
     def ks() -> list[int]:
         costs = StepCosts(draft=dict(gguf_costs().draft), verify=dict(gguf_costs().verify))
@@ -572,14 +568,14 @@ def test_a_wide_call_not_timed_after_a_long_prompt_is_priced_by_what_the_context
 
     assert ks() == [1] * 4
 
-    def scaled(costs: StepCosts, rows: int) -> float:  # the share: 1 + c·L over 1 + c·L'
-        then = costs.lengths.get(rows, PREFIX)
+    def scaled(costs: StepCosts) -> dict[int, float]:  # a share: 1 + c·L over 1 + c·L'
         grown = costs.verify[4] / gguf_costs().verify[4]
         share = (grown - 1) / (costs.context - grown * PREFIX)
-        stretch = (1 + share * costs.context) / (1 + share * then)
-        return costs.verify[rows] * stretch * costs._drifted(rows)
+        stretch = {n: (1 + share * costs.context) / (1 + share * PREFIX) for n in costs.verify}
+        stretch[4] = 1.0
+        return {n: t * stretch[n] * costs._drifted(n) for n, t in costs.verify.items()}
 
-    monkeypatch.setattr(StepCosts, "_moved", scaled)
+    monkeypatch.setattr(StepCosts, "curve", scaled)
     assert ks() == [0] * 4
 
 

@@ -38,17 +38,17 @@ to climb there): a round at K = 1 was priced 1.79x one at K = 0 where it took 1.
 batch stopped drafting where fixed K = 1 ran 1.04-1.08x the target alone. So each count keeps
 the context it was timed at (`lengths`), a count timed far from it (`far`: a long prompt, or a
 short one after long ones) takes its time as is without moving the drift, and the counts not
-timed at this context yet are priced by what those that were taught (`per_token`): seconds a
-call gains per token of its requests' mean context, added to the count's own time, since each
-request's cache is read once a call whatever its width (a 4-row call took 0.114 s at 48 tokens
-and 0.486 s at 8,000, the 8-row call 0.166 and 0.57 s on an AMX Xeon). Scaled by the 4-row
-call's rise instead (a share), the 8-row call was priced 0.71 s, so a batch whose runtime had
-seen this text before stayed at K = 0 until a probe timed it (23 rounds of a 95-round turn,
-0.94x fixed K = 1). Such a price is a guess, and a guess too high is never tried, so it errs
-low: a count not timed at this context costs at least the dearest narrower one that was
-(`curve`), never dragging it down, and is timed as soon as it is chosen. The first few
-timings after such a jump refine the count's own time alone (SETTLE): one sample fixed the
-ratio between counts that only the drift moves after it.
+timed at this context yet are priced as the dearest narrower count that was, and at least their
+own calibration (scaled by the drift): each request's cache is read once a call whatever its
+width, so at 8,000 tokens a wider call costs little more than a narrower one (the 4-row call
+took 0.486 s, the 8-row 0.57, 0.114 and 0.166 at calibration, on an AMX Xeon). Such a price is
+a guess, and one too high is never tried: scaled as a share of the 4-row call's rise, the
+8-row call was priced 0.71 s, and a batch that already knew its acceptance stayed at K = 0
+until a probe timed it (23 rounds of a 95-round turn, 0.94x fixed K = 1). One too low is
+tried once and then timed (a slope of seconds per token would depend on how many requests a
+call carries, and a count's history mixes them). The first few timings after such a jump
+refine the count's own time alone (SETTLE): one sample fixed the ratio between counts that only
+the drift moves after it.
 
 A lookup (n-gram, prediction) costs nothing next to a call (about 0.05 ms at 2,048 tokens).
 """
@@ -85,8 +85,11 @@ class StepCosts:
     timed: dict[int, int] = field(default_factory=dict)  # verify rows: the round last timed
     context: float = PREFIX  # tokens of context behind the rows of the last call timed
     lengths: dict[int, float] = field(default_factory=dict)  # verify rows: context when timed
-    per_token: float = 0.0  # seconds a call gains per token of its requests' mean context
     settling: dict[int, int] = field(default_factory=dict)  # verify rows: own timings left
+    floor: dict[int, float] = field(default_factory=dict)  # verify rows: time at PREFIX
+
+    def __post_init__(self) -> None:
+        self.floor = {**self.verify, **self.floor}  # the calibrated curve, measured at PREFIX
 
     def ready_for(self, source: str) -> bool:
         """Whether a round drafted by source can be priced yet."""
@@ -127,17 +130,18 @@ class StepCosts:
         (tests/test_controller.py's case). Taking a slower time as is, one slow call priced the
         target alone out of `_refresh`'s reach for good: 8 clients drafted at K 1.9 where K = 0
         was best (0.83x the target alone). A count timed far from its last context takes its
-        time as is and teaches the slope; its next SETTLE timings refine it alone."""
+        time as is; its next SETTLE timings refine it alone."""
         if context is not None:
             self.context = context
         old = self.verify.get(rows)
         if old is None or far(self.lengths.get(rows, PREFIX), self.context):
             new = seconds
-            if old is not None:
-                self._learn_slope(rows, seconds)
+            if old is None and not far(PREFIX, self.context):
+                self.floor[rows] = seconds
+            elif old is not None:
                 self.settling[rows] = SETTLE
         else:
-            old = self._moved(rows)
+            old = self.verify[rows] * self._drifted(rows)
             if self.verify_age(rows) >= STALE_AFTER:
                 new = seconds if seconds < old else _blend(old, seconds, STALE_WEIGHT)
             else:
@@ -152,38 +156,25 @@ class StepCosts:
         self.rounds += 1
         self.timed[rows] = self.rounds
 
-    def _learn_slope(self, rows: int, seconds: float) -> None:
-        """The seconds per token of context that explain a count's new time at this context
-        from its last one (the drift since carried). Never below 0: a call that got faster at
-        a longer context was a faster spell, not the context."""
-        gap = self.context - self.lengths.get(rows, PREFIX)
-        if gap != 0:
-            added = seconds / self._drifted(rows) - self.verify[rows]
-            self.per_token = max(0.0, added / gap)
-
     def verify_age(self, rows: int) -> int:
         """Rounds since a verify call of `rows` rows was last timed (calibration is round 0,
         and so is a count never timed: it is as old as the runtime)."""
         return self.rounds - self.timed.get(rows, 0)
 
     def curve(self) -> dict[int, float]:
-        """Each measured count's price now: its own time, moved by the slope from the context
-        it was timed at to this one, scaled by the drift since; a count not timed near this
-        context at least the dearest narrower one that was (see the module docstring)."""
+        """Each measured count's price now: its own time, scaled by the drift since. A count
+        not timed near this context costs the dearest narrower one that was, and at least its
+        calibration (`floor`; its own time where it has none) scaled by the drift (see the
+        module docstring)."""
         prices, timed_here = {}, 0.0
-        for n in sorted(self.verify):
-            price = self._moved(n)
+        for n, seconds in sorted(self.verify.items()):
+            own = seconds * self._drifted(n)
             if far(self.lengths.get(n, PREFIX), self.context):
-                price = max(price, timed_here)
+                calibrated = self.floor[n] * self.drift if n in self.floor else own
+                prices[n] = max(timed_here, calibrated)
             else:
-                timed_here = max(timed_here, price)
-            prices[n] = price
+                prices[n], timed_here = own, max(timed_here, own)
         return prices
-
-    def _moved(self, rows: int) -> float:
-        """A count's own time, moved to this context by the slope and scaled by the drift."""
-        added = self.per_token * (self.context - self.lengths.get(rows, PREFIX))
-        return max(self.verify[rows] + added, 1e-9) * self._drifted(rows)
 
     def _drifted(self, rows: int) -> float:
         return self.drift / self.at.get(rows, 1.0)

@@ -29,15 +29,15 @@ def speculation_row(
     """One size, in this process: each run (the target alone, adaptive speculation reading the
     prompt whole or in its window, fixed:K) answering `answer` tokens after the same prompts
     (`clients` of them, each its own cut of the source, CLIENT_OFFSET tokens apart), each run in
-    a runtime of its own. A warm-up pays the target alone's prefill (the row's first token)
-    and copies it into the other runs' slots (`_share_prefill`; the prompt cache then holds
-    the prompts there), then the runs take `repeat` turns, round by round in turn
-    (`_interleaved`)."""
-    from specrt.runtime import SpeculativeRuntime
+    a runtime of its own over its own slots of one pair of engines (`_runtimes`). A warm-up pays
+    the target alone's prefill (the row's first token) and copies it into the other runs' slots
+    (`_share_prefill`; the prompt cache then holds the prompts there), then the runs take
+    `repeat` turns, round by round in turn (`_interleaved`)."""
     from specrt.runtime.drafters import DRAFT_WINDOW
 
     order = ["target", *(r for r in runs if r != "target")]
-    first = SpeculativeRuntime.load(bundle, slots=clients)
+    runtimes = _runtimes(bundle, order, clients)
+    first = runtimes["target"]
     ids = first.tokenizer.encode(source_text())
     need = (clients - 1) * CLIENT_OFFSET + size
     if need > len(ids):
@@ -45,13 +45,11 @@ def speculation_row(
             f"{clients} client(s) of {size:,} tokens need {need:,} tokens of text, and "
             f"{SOURCE.name} has {len(ids):,}"
         )
-    runtimes = {"target": first}
-    runtimes |= {name: SpeculativeRuntime.load(bundle, slots=clients) for name in order[1:]}
     cuts = [ids[i * CLIENT_OFFSET : i * CLIENT_OFFSET + size] for i in range(clients)]
     prompts = [task_prompt(task, first.tokenizer.decode(cut)) for cut in cuts]
     encoded = first.encode(prompts[0])
     row = {"size": size, "prompt_ids": encoded, "prompt_tokens": len(encoded)}
-    row.update(window=DRAFT_WINDOW, clients=clients, interleaved=True)
+    row.update(window=DRAFT_WINDOW, clients=clients, interleaved=True, shared_engines=True)
     options = {name: _options(name, rt) for name, rt in runtimes.items()}
     calibrated = {name: copy.deepcopy(rt.costs) for name, rt in runtimes.items()}
     waited = {}
@@ -68,6 +66,28 @@ def speculation_row(
     row |= {name: _mean(done) for name, done in turns.items()}
     row["target"]["ttft_s"] = waited["target"]
     return row
+
+
+def _runtimes(bundle: str, order: list[str], clients: int) -> dict:
+    """A runtime per run, each over `clients` slots of one pair of engines (`SlotRange`), all
+    starting from one calibration of the costs at that many slots. Each run loaded its own
+    engines before: where each copy of the weights lay in memory moved the draft model's calls
+    by more than the runs differ (engines/slot_range.py), so a cell's ratio said which run was
+    loaded first as much as what its policy did."""
+    from specrt.engines.slot_range import split_slots
+    from specrt.runtime import SpeculativeRuntime
+
+    shared = SpeculativeRuntime.load(bundle, slots=clients * len(order), calibrate=False)
+    drafts = split_slots(shared.draft, len(order))
+    targets = split_slots(shared.target, len(order))
+    runtimes = {
+        name: SpeculativeRuntime(shared.bundle, draft, target)
+        for name, draft, target in zip(order, drafts, targets, strict=True)
+    }
+    costs = runtimes[order[0]].calibrate()
+    for rt in runtimes.values():
+        rt.costs = copy.deepcopy(costs)
+    return runtimes
 
 
 def _share_prefill(source, rt) -> None:
@@ -303,9 +323,12 @@ def _turns(result: dict) -> str:
     if not result["rows"] or not result["rows"][0].get("interleaved"):  # whole runs in turn
         return "" if repeat == 1 else f"{repeat} turns of the runs, one after another. "
     each = f"; {repeat} turns, each cell's speed their mean, each turn's in brackets" * (repeat > 1)
+    shared = " over its own slots of one pair of engines" * bool(
+        result["rows"][0].get("shared_engines")
+    )
     return (
-        "Each run in a runtime of its own, its prefill paid before; the runs answer round by "
-        f"round in turn, so that the machine's drift falls on all alike{each}. "
+        f"Each run in a runtime of its own{shared}, its prefill paid before; the runs answer "
+        f"round by round in turn, so that the machine's drift falls on all alike{each}. "
     )
 
 

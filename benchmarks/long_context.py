@@ -14,13 +14,14 @@ prompt cache off). Each row runs in a process of its own, so its peak RSS
 
 `--speculation` answers `--answer` tokens with the target alone, then with adaptive speculation
 whose draft model reads the prompt's last 512 tokens (the default `--draft-window`) and with one
-that reads it whole. Each run has a runtime of its own; the target alone's pays the prompt's
+that reads it whole. Each run has a runtime of its own, over its own slots of one pair of
+engines (one copy of the weights: engines/slot_range.py); the target alone's pays the prompt's
 prefill (the row's first token) and the others get a copy of its slots (the same numbers, one
 prefill a row where there was one a run; the prompt cache keeps it in the slot), and the
 runs then answer round by round in turn: one round of each, then the next, so that the
 machine's drift (10 % within a minute on a shared 2-core machine) falls on every run alike.
 A run's speed is its tokens after the first over the seconds of its own rounds, the draft
-model's catch-up included; each run starts from the costs calibrated at its load, no
+model's catch-up included; each run starts from one calibration of the costs at its slots, no
 acceptance seen and an empty draft slot (a run's rounds would otherwise set the next one's
 course, and a window left in the slot was read for free); with `--clients`, a run's acceptance
 pool is kept from its first turn on, as a server keeps it, so only the first turn pays the

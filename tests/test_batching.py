@@ -61,6 +61,33 @@ def test_bad_batched_calls_are_refused(bundles):
         engine.forward_rows([(1, [1] * (engine.capacity + 1))])
 
 
+def test_runtimes_over_slot_ranges_of_one_engine_are_each_their_own(bundles):
+    """Two runtimes over halves of one pair of engines (a benchmark's runs sharing one copy of
+    the weights) each answer what a runtime alone answers, in their own slots only; a slot
+    outside a range, or a range outside the engine, is refused."""
+    from specrt.engines.slot_range import SlotRange, split_slots
+    from specrt.runtime import SpeculativeRuntime
+
+    bundle = bundles["llama"]
+    options = {"max_new_tokens": 20, "controller": "fixed:3"}
+    alone = SpeculativeRuntime.load(bundle, calibrate=False, threads=2)
+    want = alone.generate("def fibonacci(n):", **options).token_ids
+    shared = SpeculativeRuntime.load(bundle, slots=4, calibrate=False, threads=2)
+    halves = zip(split_slots(shared.draft, 2), split_slots(shared.target, 2), strict=True)
+    first, second = (SpeculativeRuntime(shared.bundle, d, t) for d, t in halves)
+    assert second.generate("def fibonacci(n):", **options).token_ids == want
+    assert list(shared.target.lengths[:2]) == [0, 0] and shared.target.lengths[2] > 0
+    held = list(shared.target.held(2))
+    assert first.generate("def fibonacci(n):", **options).token_ids == want
+    assert list(shared.target.held(2)) == held
+    with pytest.raises(ValueError, match="slot 2 does not exist"):
+        second.target.forward_rows([(2, [1])])
+    with pytest.raises(ValueError, match="not all in an engine of 4"):
+        SlotRange(shared.target, 3, 2)
+    with pytest.raises(ValueError, match="equal ranges"):
+        split_slots(shared.target, 3)
+
+
 def test_caches_without_a_margin_serve_one_slot(bundles, tmp_path):
     """A padded row of a batched call writes past the longest row's context: without the margin
     for it, the engine holds one slot."""

@@ -36,7 +36,7 @@ the K = 0 call's rise scaled the 8-row call's calibration with it, 1.61x its pri
 1.3-1.45x (and a sample counts at most SPIKE times the estimate, so the drift took ten rounds
 to climb there): a round at K = 1 was priced 1.79x one at K = 0 where it took 1.46x, and the
 batch stopped drafting where fixed K = 1 ran 1.04-1.08x the target alone. So each count keeps
-the context it was timed at (`lengths`), a count timed far from it (`far`: a long prompt, or a
+the context it was timed at (`Timing`), a count timed far from it (`far`: a long prompt, or a
 short one after long ones) takes its time as is without moving the drift, and the counts not
 timed at this context yet are priced as the dearest narrower count that was, and at least their
 own calibration (scaled by the drift): each request's cache is read once a call whatever its
@@ -74,22 +74,35 @@ CATCH_UP_WIDTHS = [16, 33]
 
 
 @dataclass
+class Timing:
+    """When and where a verify count's own time (`StepCosts.verify`) was last taken. A count
+    never timed since calibration has the defaults: round 0, the calibration's drift and
+    context."""
+
+    drift: float = 1.0  # the drift then
+    round: int = 0  # the verify calls timed by then (`StepCosts.rounds`)
+    context: float = PREFIX  # tokens of context behind its rows then
+    settling: int = 0  # timings left that refine its own time alone (after a far jump)
+    floor: float | None = None  # its time at PREFIX: calibration's, or its first near PREFIX
+
+
+UNTIMED = Timing()
+
+
+@dataclass
 class StepCosts:
     """Seconds per draft-model step by its rows, and per verify call by its rows."""
 
     draft: dict[int, float] = field(default_factory=dict)
     verify: dict[int, float] = field(default_factory=dict)  # by rows: its own time, lately
     drift: float = 1.0  # how far the counts in use moved since calibration (a product)
-    at: dict[int, float] = field(default_factory=dict)  # verify rows: the drift when last timed
     rounds: int = 0  # verify calls timed since calibration: the clock of `verify_age`
-    timed: dict[int, int] = field(default_factory=dict)  # verify rows: the round last timed
     context: float = PREFIX  # tokens of context behind the rows of the last call timed
-    lengths: dict[int, float] = field(default_factory=dict)  # verify rows: context when timed
-    settling: dict[int, int] = field(default_factory=dict)  # verify rows: own timings left
-    floor: dict[int, float] = field(default_factory=dict)  # verify rows: time at PREFIX
+    timings: dict[int, Timing] = field(default_factory=dict)  # verify rows: when last timed
 
     def __post_init__(self) -> None:
-        self.floor = {**self.verify, **self.floor}  # the calibrated curve, measured at PREFIX
+        for rows, seconds in self.verify.items():  # the calibrated curve, measured at PREFIX
+            self.timings.setdefault(rows, Timing(floor=seconds))
 
     def ready_for(self, source: str) -> bool:
         """Whether a round drafted by source can be priced yet."""
@@ -134,32 +147,31 @@ class StepCosts:
         if context is not None:
             self.context = context
         old = self.verify.get(rows)
-        if old is None or far(self.lengths.get(rows, PREFIX), self.context):
+        timing = self.timings.setdefault(rows, Timing())
+        if old is None or far(timing.context, self.context):
             new = seconds
             if old is None and not far(PREFIX, self.context):
-                self.floor[rows] = seconds
+                timing.floor = seconds
             elif old is not None:
-                self.settling[rows] = SETTLE
+                timing.settling = SETTLE
         else:
             old = self.verify[rows] * self._drifted(rows)
             if self.verify_age(rows) >= STALE_AFTER:
                 new = seconds if seconds < old else _blend(old, seconds, STALE_WEIGHT)
             else:
                 new = _blend(old, seconds)
-                if self.settling.get(rows):
-                    self.settling[rows] -= 1
+                if timing.settling:
+                    timing.settling -= 1
                 else:
                     self.drift *= new / old
         self.verify[rows] = new
-        self.at[rows] = self.drift
-        self.lengths[rows] = self.context
         self.rounds += 1
-        self.timed[rows] = self.rounds
+        timing.drift, timing.round, timing.context = self.drift, self.rounds, self.context
 
     def verify_age(self, rows: int) -> int:
         """Rounds since a verify call of `rows` rows was last timed (calibration is round 0,
         and so is a count never timed: it is as old as the runtime)."""
-        return self.rounds - self.timed.get(rows, 0)
+        return self.rounds - self.timings.get(rows, UNTIMED).round
 
     def curve(self) -> dict[int, float]:
         """Each measured count's price now: its own time, scaled by the drift since. A count
@@ -168,16 +180,16 @@ class StepCosts:
         module docstring)."""
         prices, timed_here = {}, 0.0
         for n, seconds in sorted(self.verify.items()):
-            own = seconds * self._drifted(n)
-            if far(self.lengths.get(n, PREFIX), self.context):
-                calibrated = self.floor[n] * self.drift if n in self.floor else own
+            own, timing = seconds * self._drifted(n), self.timings.get(n, UNTIMED)
+            if far(timing.context, self.context):
+                calibrated = own if timing.floor is None else timing.floor * self.drift
                 prices[n] = max(timed_here, calibrated)
             else:
                 prices[n], timed_here = own, max(timed_here, own)
         return prices
 
     def _drifted(self, rows: int) -> float:
-        return self.drift / self.at.get(rows, 1.0)
+        return self.drift / self.timings.get(rows, UNTIMED).drift
 
     @property
     def draft_step(self) -> float | None:

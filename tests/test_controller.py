@@ -579,6 +579,28 @@ def test_a_wide_call_not_timed_after_a_long_prompt_is_tried(monkeypatch):
     assert ks() == [0] * 4
 
 
+def test_the_call_without_drafts_is_priced_from_a_wider_call_timed_after_a_long_prompt(
+    monkeypatch,
+):
+    """One request after 1,000 tokens, its first round at K = 1 rejected (acceptance 0.55
+    now), its 2-row call timed there at 135 ms (first-call slow; 105 after). The call without
+    drafts, not timed there yet, is priced as that call less calibration's 15 ms between the
+    two (120 ms; it takes 93), so K = 1 still earns more and the request drafts on. Control:
+    priced at its calibration (80 ms), K = 0 looked 1.3x better and the request stopped after
+    one round (AMX Xeon, a summary of a 1,000-token file: 15 rounds at K = 0 from its second)."""
+
+    def k() -> int:
+        costs = StepCosts(draft={1: 0.022}, verify={1: 0.080, 2: 0.095, 3: 0.117, 4: 0.13})
+        costs.observe_verify(2, 0.135, context=1048)
+        policy = Adaptive(costs=costs, prior_alpha=0.7)
+        policy.observe(1, 0)
+        return policy.decide(RoundContext(8, 1050, 100, lag=2)).k
+
+    assert k() == 1
+    monkeypatch.setattr(StepCosts, "_guess", lambda self, rows, own, here: self.verify[rows])
+    assert k() == 0
+
+
 def test_after_a_long_prompt_a_batch_drafts_where_its_calls_say_it_pays(monkeypatch):
     """The same 4 clients at acceptance 0.5, on the draft curve of the gguf pair: priced at
     the times taken at this context, K = 1 earns 1.1x the target alone, and the batch drafts.

@@ -38,10 +38,11 @@ to climb there): a round at K = 1 was priced 1.79x one at K = 0 where it took 1.
 batch stopped drafting where fixed K = 1 ran 1.04-1.08x the target alone. So each count keeps
 the context it was timed at (`Timing`), a count timed far from it (`far`: a long prompt, or a
 short one after long ones) takes its time as is without moving the drift, and the counts not
-timed at this context yet are priced as the dearest narrower count that was, and at least their
-own calibration (scaled by the drift): each request's cache is read once a call whatever its
-width, so at 8,000 tokens a wider call costs little more than a narrower one (the 4-row call
-took 0.486 s, the 8-row 0.57, 0.114 and 0.166 at calibration, on an AMX Xeon). Such a price is
+timed at this context yet are priced as the dearest narrower count that was, as the narrowest
+wider one that was less what calibration put between them, and at least their own calibration
+(scaled by the drift): each request's cache is read once a call whatever its width, so at
+8,000 tokens a wider call costs little more than a narrower one (the 4-row call took 0.486 s,
+the 8-row 0.57, 0.114 and 0.166 at calibration, on an AMX Xeon). Such a price is
 a guess, and one too high is never tried: scaled as a share of the 4-row call's rise, the
 8-row call was priced 0.71 s, and a batch that already knew its acceptance stayed at K = 0
 until a probe timed it (23 rounds of a 95-round turn, 0.94x fixed K = 1). One too low is

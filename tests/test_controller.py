@@ -212,9 +212,18 @@ def test_each_request_keeps_its_own_room_and_fixed_requests_pad_the_call():
     assert decisions[0].k >= 3
 
 
+def _stopped(costs: StepCosts, alpha: float) -> Adaptive:
+    """A request whose own long run says `alpha` (its recent drafts forgotten), its pool at
+    the prior 0.7: an accepted probe would price it afresh from 0.7 (`Adaptive.hopeful`)."""
+    policy = Adaptive(costs=costs, prior_alpha=0.7)
+    policy.record["model"] = [0.0, policy.pool_weight * (0.7 / alpha - 1)]
+    assert policy.alpha() == pytest.approx(alpha)
+    return policy
+
+
 def test_a_request_without_drafts_is_probed_now_and_then():
     costs = _batch_costs()
-    policy = Adaptive(costs=costs, prior_alpha=0.01)
+    policy = _stopped(costs, 0.01)
     ctx = RoundContext(room=8, position=50, remaining=256)
     for _ in range(PROBE_AFTER_ALONE):
         assert policy.decide(ctx).k == 0
@@ -231,7 +240,7 @@ def test_a_probe_is_priced_net_of_the_draft_it_expects_to_keep():
     ctx = RoundContext(room=8, position=2000, remaining=256, lag=16)
     decisions = []
     for alpha in (0.3, 0.01):
-        policy = Adaptive(costs=gguf_costs(), prior_alpha=alpha)
+        policy = _stopped(gguf_costs(), alpha)
         policy.idle = 29
         decisions.append(policy.decide(ctx))
     assert [d.k for d in decisions] == [1, 0] and "probing" in decisions[0].reason
@@ -662,6 +671,34 @@ def test_no_probe_where_no_acceptance_could_pay(monkeypatch):
     assert sorted(d.k for d in decisions) == [0] * 15 + [1]
 
 
+def test_no_probe_soon_where_none_it_could_pass_would_change_the_course(monkeypatch):
+    """4 clients after 1,000 tokens on an AMX Xeon: a round at K = 1 costs 1.63x one at K = 0
+    (0.27 s against 0.163), so drafting pays from acceptance 0.63, and their pool says 0.45. A
+    probe that kept its draft would price its request afresh from that pool (0.51), and no
+    course would change: the batch waits PROBE_HOPELESS rounds, not PROBE_AFTER. Control:
+    hoping for every draft kept, it probed every ~16 rounds, each probe 115 ms over its round
+    (~4 % of the turn; the cell ran 0.90-0.93x the target alone)."""
+    from specrt.runtime.joint import PROBE_HOPELESS
+    from specrt.runtime.pool import PooledAcceptance
+
+    def ks(idle: int) -> list[int]:
+        costs = StepCosts(
+            draft={1: 0.020, 4: 0.045, 8: 0.050}, verify={4: 0.163, 8: 0.220, 12: 0.28}
+        )
+        pool = PooledAcceptance()
+        pool.observe("model", 45, 55, pool.member())  # the batch's earlier drafts
+        batch = [Adaptive(costs=costs, pool=pool) for _ in range(4)]
+        for policy in batch:
+            policy.idle, policy.last_k = idle, 0
+        contexts = [RoundContext(8, 1100, 100, lag=2)] * 4
+        return sorted(d.k for d in decide_together(batch, contexts, costs))
+
+    assert ks(PROBE_AFTER) == [0] * 4
+    assert ks(PROBE_HOPELESS) == [0, 0, 0, 1]
+    monkeypatch.setattr(Adaptive, "hopeful", lambda self, source="model": 0.999)
+    assert ks(PROBE_AFTER) == [0, 0, 0, 1]
+
+
 def test_a_draft_cache_far_behind_is_priced_and_not_probed():
     """A request that sat at K = 0 must first feed the draft model every token it missed, and
     in a batch everyone waits for that call: the round is priced with it (spread over the
@@ -675,7 +712,7 @@ def test_a_draft_cache_far_behind_is_priced_and_not_probed():
     assert policy.decide(near).k >= 1 and policy.decide(far).k >= 1  # worth it at this alpha
     rate = [float(policy.decide(ctx).reason.split("-> ")[1].split()[0]) for ctx in (near, far)]
     assert rate[1] < rate[0]  # the catch-up is in the price
-    idle = Adaptive(costs=costs, prior_alpha=0.01)
+    idle = _stopped(costs, 0.01)
     idle.idle = PROBE_AFTER
     # Alone, a request spreads its catch-up over its idle rounds...
     assert idle.decide(RoundContext(8, 300, 256, lag=PROBE_AFTER)).k == 1
@@ -684,7 +721,7 @@ def test_a_draft_cache_far_behind_is_priced_and_not_probed():
     )  # ...but 1,500 tokens is too many
     # In a batch the others wait for it: a catch-up of 300 tokens is no probe's business, and
     # of the requests whose probe is cheap, one probes per round.
-    pair = [Adaptive(costs=costs, prior_alpha=0.01) for _ in range(3)]
+    pair = [_stopped(costs, 0.01) for _ in range(3)]
     for policy in pair:
         policy.idle = PROBE_AFTER
     lags = [

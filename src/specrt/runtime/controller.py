@@ -140,11 +140,22 @@ class Adaptive:
         and other prompts' acceptance for good: after a question on 4,000 tokens, kept at
         0.45, it was priced at 0.55-0.64 and drafted K = 2 (its rounds 6.7 tok/s where K = 1's
         ran 8.3), 0.94x fixed K = 1."""
-        pooled = self.prior_alpha
-        if self.pool is not None and self.pool.warm(source, self.member):
-            pooled = self.pool.alpha(source, self.member)
         accepted, rejected = self.record.get(source, (0.0, 0.0))
+        pooled = self._pooled(source)
         return (accepted + self.pool_weight * pooled) / (accepted + rejected + self.pool_weight)
+
+    def _pooled(self, source: str) -> float:
+        """Its runtime's pool's acceptance, its own drafts aside (the prior until warm)."""
+        if self.pool is not None and self.pool.warm(source, self.member):
+            return self.pool.alpha(source, self.member)
+        return self.prior_alpha
+
+    def hopeful(self, source: str = "model") -> float:
+        """Its estimate after an accepted probe (see `observe`: its own drafts forgotten, the
+        probe's kept, the rest its pool's): the most a probe can show, where joint.py's
+        `_probed` asks whether any could change the batch's course."""
+        weight = self.pool_weight
+        return (1 + weight * self._pooled(source)) / (1 + weight)
 
     def learning(self, source: str) -> bool:
         """Whether its runtime's pool has yet to learn this source's acceptance, from any

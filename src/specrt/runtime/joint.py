@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 PROBE_AFTER = 16  # rounds at K = 0 after which an adaptive request in a batch probes again...
 PROBE_AFTER_ALONE = 4  # ...alone, after this many (see `_probed`)...
 PROBE_SHARE = 0.03  # ...if its extra cost is at most this share of the rounds it waited
+PROBE_HOPELESS = 64  # ...or this many, where no probe it could pass would change the course
 SWITCH_GAIN = 1.05  # a batch starts or stops the model's drafts only for this much more tok/s
 K_MARGIN = 0.03  # options priced within this share of the best are equal: the fewest drafts win
 REFRESH_MARGIN = 1.15  # a stale call (costs.STALE_AFTER) is re-timed if it prices this close
@@ -162,15 +163,16 @@ def _priced(policies, contexts, capped, costs: StepCosts, others) -> list[Decisi
     return _probed(policies, contexts, caps, reasons, costs, others, (rate, draft, verify, ks))
 
 
-def _could_pay(contexts, caps, ks, others, costs: StepCosts, rate: float) -> bool:
+def _could_pay(contexts, caps, ks, others, costs: StepCosts, rate: float, alphas=None) -> bool:
     """Whether drafting could beat this round by SWITCH_GAIN at all: every request with room
-    drafting at least one token, every draft kept. Where not even that pays (a compute-bound
-    call at 8 clients: its rows at 2 tokens cost 1.7x), no acceptance a probe could find would
-    change the course, and a probe is a tax of up to PROBE_SHARE of the batch's time."""
+    drafting at least one token, each at `alphas` (default: every draft kept). Where not even
+    that pays (a compute-bound call at 8 clients: its rows at 2 tokens cost 1.7x), no
+    acceptance a probe could find would change the course, and a probe is a tax of up to
+    PROBE_SHARE of the batch's time."""
     hopeful = [max(k, 1) if cap else k for k, cap in zip(ks, caps, strict=True)]
     sources = [c.source for c in contexts]
     lags = [(c.lag, c.remaining) for c in contexts]
-    top = [ALPHA_TOP] * len(ks)
+    top = alphas or [ALPHA_TOP] * len(ks)
     return price_round(hopeful, top, sources, lags, others, costs)[0] > SWITCH_GAIN * rate
 
 
@@ -197,6 +199,9 @@ def _probed(policies, contexts, caps, reasons, costs: StepCosts, others, chosen)
     waited = min((policies[i].idle for i in waiting), default=0)
     soon = waited < (PROBE_AFTER if batch > 1 else PROBE_AFTER_ALONE)
     if soon or not _could_pay(contexts, caps, ks, others, costs, rate):
+        return decisions
+    hopes = [min(p.hopeful(c.source), ALPHA_TOP) for p, c in zip(policies, contexts, strict=True)]
+    if waited < PROBE_HOPELESS and not _could_pay(contexts, caps, ks, others, costs, rate, hopes):
         return decisions
     wider = costs.verify_cost(batch * max(2, max(ks) + 1))
     extras = {}

@@ -115,9 +115,7 @@ class Adaptive:
         clients, gguf target: 0.91x the best fixed K; shrunk, 1.00x). It never exceeds what the
         request's own drafts allow (`ceiling`): a request whose drafts were all rejected
         drafted 39 rounds at a loss while the pool's share held it up (replayed)."""
-        accepted, rejected = self.counts.get(source, (0.0, 0.0))
-        weight = self.pool_weight
-        shrunk = (accepted + weight * self._base(source)) / (accepted + rejected + weight)
+        shrunk = self._shrunk(self.counts.get(source, (0.0, 0.0)), self._base(source))
         return min(shrunk, self.ceiling(source))
 
     def ceiling(self, source: str = "model") -> float:
@@ -140,9 +138,12 @@ class Adaptive:
         and other prompts' acceptance for good: after a question on 4,000 tokens, kept at
         0.45, it was priced at 0.55-0.64 and drafted K = 2 (its rounds 6.7 tok/s where K = 1's
         ran 8.3), 0.94x fixed K = 1."""
-        accepted, rejected = self.record.get(source, (0.0, 0.0))
-        pooled = self._pooled(source)
-        return (accepted + self.pool_weight * pooled) / (accepted + rejected + self.pool_weight)
+        return self._shrunk(self.record.get(source, (0.0, 0.0)), self._pooled(source))
+
+    def _shrunk(self, counts, toward: float) -> float:
+        """[accepted, rejected] drafts with `pool_weight` drafts at `toward` beside them."""
+        accepted, rejected = counts
+        return (accepted + self.pool_weight * toward) / (accepted + rejected + self.pool_weight)
 
     def _pooled(self, source: str) -> float:
         """Its runtime's pool's acceptance, its own drafts aside (the prior until warm)."""
@@ -151,11 +152,12 @@ class Adaptive:
         return self.prior_alpha
 
     def hopeful(self, source: str = "model") -> float:
-        """Its estimate after an accepted probe (see `observe`: its own drafts forgotten, the
-        probe's kept, the rest its pool's): the most a probe can show, where joint.py's
-        `_probed` asks whether any could change the batch's course."""
-        weight = self.pool_weight
-        return (1 + weight * self._pooled(source)) / (1 + weight)
+        """What an accepted probe shows of this request, where joint.py's `_probed` asks
+        whether any probe could change the batch's course: the kept draft beside its pool's
+        acceptance (`observe` forgets its own drafts on one). Its estimate just after such a
+        probe counts the kept draft once more, in its long run (0.56 where this says 0.51 at
+        a pool of 0.45), so this errs low by that much."""
+        return self._shrunk((1.0, 0.0), self._pooled(source))
 
     def learning(self, source: str) -> bool:
         """Whether its runtime's pool has yet to learn this source's acceptance, from any

@@ -541,8 +541,8 @@ def _after_a_long_prompt(costs: StepCosts) -> StepCosts:
 
 def test_a_long_prompt_is_priced_at_the_context_each_call_was_timed_at(monkeypatch):
     """Each count timed after the long prompt keeps its own time there (8 rows 1.27x 4 rows,
-    as measured); a count not timed there yet (24 rows) is priced as the dearest narrower one
-    that was, a guess that errs low and is tried; and after a short request, a count last
+    as measured); a count not timed there yet (24 rows) is priced as the nearest narrower one
+    that was and what calibration put between them; and after a short request, a count last
     timed after the long prompt is priced at its calibration again. Control: carried by the
     drift alone, the 8-row call kept calibration's 1.46x of the 4-row one (the fault measured
     at 8,000 tokens)."""
@@ -550,7 +550,8 @@ def test_a_long_prompt_is_priced_at_the_context_each_call_was_timed_at(monkeypat
     costs = _after_a_long_prompt(StepCosts(verify=dict(shape)))
     assert costs.verify_cost(8) == pytest.approx(0.70, rel=0.01)
     assert costs.verify_cost(4) == pytest.approx(0.55, rel=0.01)
-    assert costs.verify_cost(24) == pytest.approx(costs.verify_cost(8))
+    gap = (shape[24] - shape[8]) * costs.drift
+    assert costs.verify_cost(24) == pytest.approx(costs.verify_cost(8) + gap)
     costs.observe_verify(1, shape[1], context=100)  # a short request after them
     assert costs.verify_cost(4) == pytest.approx(shape[4], rel=0.05)
     monkeypatch.setattr("specrt.runtime.costs.FAR", 1e9)

@@ -38,18 +38,18 @@ to climb there): a round at K = 1 was priced 1.79x one at K = 0 where it took 1.
 batch stopped drafting where fixed K = 1 ran 1.04-1.08x the target alone. So each count keeps
 the context it was timed at (`Timing`), a count timed far from it (`far`: a long prompt, or a
 short one after long ones) takes its time as is without moving the drift, and the counts not
-timed at this context yet are priced as the dearest narrower count that was, as the narrowest
-wider one that was less what calibration put between them, and at least their own calibration
-(scaled by the drift): each request's cache is read once a call whatever its width, so at
-8,000 tokens a wider call costs little more than a narrower one (the 4-row call took 0.486 s,
-the 8-row 0.57, 0.114 and 0.166 at calibration, on an AMX Xeon). Such a price is
-a guess, and one too high is never tried: scaled as a share of the 4-row call's rise, the
-8-row call was priced 0.71 s, and a batch that already knew its acceptance stayed at K = 0
-until a probe timed it (23 rounds of a 95-round turn, 0.94x fixed K = 1). One too low is
-tried once and then timed (a slope of seconds per token would depend on how many requests a
-call carries, and a count's history mixes them). The first few timings after such a jump
-refine the count's own time alone (SETTLE): one sample fixed the ratio between counts that only
-the drift moves after it.
+timed at this context yet are priced as the nearest narrower and the nearest wider counts that
+were, with what calibration put between them added or taken away, and at least their own
+calibration (scaled by the drift): each request's cache is read once a call whatever its
+width, so a long context adds about as much to a wider call as to a narrower one (at 8,000
+tokens the 4-row call took 0.486 s, the 8-row 0.57, 0.114 and 0.166 at calibration, on an AMX
+Xeon). Such a price is a guess, and one too high is never tried: scaled as a share of the
+4-row call's rise, the 8-row call was priced 0.71 s, and a batch that already knew its
+acceptance stayed at K = 0 until a probe timed it (23 rounds of a 95-round turn, 0.94x fixed
+K = 1). One too low is tried once and then timed (a slope of seconds per token would depend
+on how many requests a call carries, and a count's history mixes them). The first few timings
+after such a jump refine the count's own time alone (SETTLE): one sample fixed the ratio
+between counts that only the drift moves after it.
 
 A lookup (n-gram, prediction) costs nothing next to a call (about 0.05 ms at 2,048 tokens).
 """
@@ -189,17 +189,25 @@ class StepCosts:
     def _guess(self, rows: int, own: float, here: dict[int, float]) -> float:
         """The price of a count not timed near this context: at least its calibration scaled
         by the drift (its own time where it has none), at least the dearest narrower count
-        timed here, and at least the narrowest wider count timed here less what calibration
-        put between the two. Each request's cache is read once a call whatever its width, so a
-        long context adds about as much to either. Priced at its calibration instead, the call
-        without drafts after a 1,000-token prompt cost 80 ms where it took 93, while the 2-row
-        call's first timing there (135 ms, 105 after) priced K = 1 at 1.96x K = 0: the request
-        stopped drafting after its first round and sat at K = 0 for 15 rounds (AMX Xeon)."""
+        timed here, and at least the nearest narrower and the nearest wider counts timed here
+        with what calibration put between them and it added or taken away. Each request's
+        cache is read once a call whatever its width, so a long context adds about as much to
+        either. Priced at its calibration instead, the call without drafts after a 1,000-token
+        prompt cost 80 ms where it took 93, while the 2-row call's first timing there (135 ms,
+        105 after) priced K = 1 at 1.96x K = 0: the request stopped drafting after its first
+        round and sat at K = 0 for 15 rounds (AMX Xeon). Priced as the 4-row call without the
+        difference, the 8-row call after 1,000 tokens (1.34x it) looked free, and 4 clients
+        drafted three rounds on that guess where the target alone was best."""
         floors = {n: self.timings.get(n, UNTIMED).floor for n in [rows, *here]}
         prices = [own if floors[rows] is None else floors[rows] * self.drift]
         prices += [seconds for n, seconds in here.items() if n < rows]
-        wider = [n for n in here if n > rows and floors[n] is not None]
-        if wider and floors[rows] is not None:
+        if floors[rows] is None:
+            return max(prices)
+        timed = [n for n in here if floors[n] is not None]
+        if narrower := [n for n in timed if n < rows]:
+            m = max(narrower)
+            prices.append(here[m] + max(0.0, floors[rows] - floors[m]) * self.drift)
+        if wider := [n for n in timed if n > rows]:
             m = min(wider)
             prices.append(here[m] - max(0.0, floors[m] - floors[rows]) * self.drift)
         return max(prices)

@@ -132,3 +132,18 @@ def bundle_copy(bundles, tmp_path) -> Path:
     copy = tmp_path / "bundle"
     shutil.copytree(bundles["llama"], copy)
     return copy
+
+
+@pytest.fixture
+def small_scout(monkeypatch):
+    """The scout's sizes scaled to the tiny models' 128-token context: prompts the draft would
+    read more than 16 tokens of are first read as their last 8 (and where the draft fell more
+    than 4 behind, it reads on from the sequence's last 4), until 2 drafts were kept, and the
+    window is offered while the answer left is a quarter of what it must read."""
+    from specrt.runtime import drafters
+
+    monkeypatch.setattr(drafters, "SCOUT", 8)
+    monkeypatch.setattr(drafters, "RESUME", 4)
+    monkeypatch.setattr(drafters, "SCOUT_FROM", 16)
+    monkeypatch.setattr(drafters, "SCOUT_KEPT", 2)
+    monkeypatch.setattr(drafters, "WIDEN_LEFT", 0.25)

@@ -123,13 +123,29 @@ class Adaptive:
         one-sided 84 % Wilson bound, once DOUBT_AFTER were judged (1 before). Five drafts
         rejected in a row bound it near 0.2; a lucky streak never raises the estimate (the
         pool's share holds it down)."""
+        return self._bound(source, 1.0)
+
+    def floor(self, ctx: RoundContext) -> float:
+        """The lowest acceptance its own drafts make plausible, where it learns by looking back
+        (`can_look_back`): their one-sided 84 % Wilson bound (0 before DOUBT_AFTER were
+        judged), at most its estimate; else the estimate. What joint.py's `_keep_course`
+        prices a start of drafting at: after a long prompt, an answer's opening is often the
+        part the draft guesses best (a first look-back kept 6 of 8 guesses where the answer's
+        next 100 kept 0.5), and started on its estimate, 4 clients after 1,000 tokens drafted
+        20 rounds at 0.55-0.6 where drafting paid from 0.62 (0.93x the target alone)."""
+        alpha = self.alpha(ctx.source)
+        return min(alpha, self._bound(ctx.source, -1.0)) if self.can_look_back(ctx) else alpha
+
+    def _bound(self, source: str, side: float) -> float:
+        """The one-sided DOUBT_Z Wilson bound of its own (decayed) drafts' acceptance, upper
+        (side 1) or lower (-1); before DOUBT_AFTER were judged, 1 or 0."""
         accepted, rejected = self.counts.get(source, (0.0, 0.0))
         n = accepted + rejected
         if n < DOUBT_AFTER:
-            return 1.0
+            return max(side, 0.0)
         p, z2 = accepted / n, DOUBT_Z**2
         spread = DOUBT_Z * np.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
-        return float(min(1.0, (p + z2 / (2 * n) + spread) / (1 + z2 / n)))
+        return float(np.clip((p + z2 / (2 * n) + side * spread) / (1 + z2 / n), 0.0, 1.0))
 
     def _base(self, source: str) -> float:
         """What the recent drafts are shrunk toward: the request's own long run (its last ~100
@@ -158,6 +174,16 @@ class Adaptive:
         probe counts the kept draft once more, in its long run (0.56 where this says 0.51 at
         a pool of 0.45), so this errs low by that much."""
         return self._shrunk((1.0, 0.0), self._pooled(source))
+
+    def can_look_back(self, ctx: RoundContext) -> bool:
+        """Whether this request learns by looking back rather than by probes (drafters.py's
+        `ModelDrafter.look_back`): after a long prompt, where its draft model's guesses can be
+        judged (`RoundContext.can_look`) and it may draft none."""
+        return ctx.can_look and ctx.position > self.long_context and not self.k_min
+
+    def looks_first(self, ctx: RoundContext) -> bool:
+        """Whether it looks back before it drafts: it can, and its own drafts are unknown."""
+        return self.can_look_back(ctx) and sum(self.counts.get(ctx.source, ())) < DOUBT_AFTER
 
     def learning(self, source: str) -> bool:
         """Whether its runtime's pool has yet to learn this source's acceptance, from any
@@ -199,10 +225,19 @@ class Adaptive:
                 self.record.pop(source, None)
         if k > 0:
             rejected = 1 if accepted < k else 0  # drafts after a rejection are never judged
-            fade_in(self.counts.setdefault(source, [0.0, 0.0]), self.decay, accepted, rejected)
-            fade_in(self.record.setdefault(source, [0.0, 0.0]), self.history, accepted, rejected)
-            if self.pool is not None:
-                self.pool.observe(source, accepted, rejected, self.member)
+            self._count(source, accepted, rejected)
+
+    def looked_back(self, kept: int, judged: int, source: str = "model") -> None:
+        """What its look-back judged, counted as judged drafts (the same trials, see
+        `ModelDrafter.look_back`); the wait for the next look-back starts again."""
+        self.idle = 0
+        self._count(source, kept, judged - kept)
+
+    def _count(self, source: str, accepted: int, rejected: int) -> None:
+        fade_in(self.counts.setdefault(source, [0.0, 0.0]), self.decay, accepted, rejected)
+        fade_in(self.record.setdefault(source, [0.0, 0.0]), self.history, accepted, rejected)
+        if self.pool is not None:
+            self.pool.observe(source, accepted, rejected, self.member)
 
 
 def make_controller(

@@ -7,6 +7,7 @@ in a batch whose runtime has not learnt the draft's acceptance yet, one request 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -21,11 +22,13 @@ PROBE_AFTER = 16  # rounds at K = 0 after which an adaptive request in a batch p
 PROBE_AFTER_ALONE = 4  # ...alone, after this many (see `_probed`)...
 PROBE_SHARE = 0.03  # ...if its extra cost is at most this share of the rounds it waited
 PROBE_HOPELESS = 64  # ...or this many, where no probe it could pass would change the course
+LOOK_SHARE = 0.01  # a look-back's share instead: it judges a guess a token waited, not one
 SWITCH_GAIN = 1.05  # a batch starts or stops the model's drafts only for this much more tok/s
 K_MARGIN = 0.03  # options priced within this share of the best are equal: the fewest drafts win
 REFRESH_MARGIN = 1.15  # a stale call (costs.STALE_AFTER) is re-timed if it prices this close
 REFRESH_ALWAYS = 64  # ...and once this many rounds old, however far it prices (see `_refresh`)
 WARM_UP_K = 4  # drafts a round takes while a source cannot be priced yet
+LOOK_BACK_AT = 16  # emitted tokens a look-back waits for (an opening alone flatters the draft)
 ALPHA_TOP = 0.999  # acceptance is priced at most this (expected_tokens divides by 1 - alpha)
 
 
@@ -56,7 +59,8 @@ def decide_together(
     and emit at least one token each. Requests whose source cannot be priced yet warm up
     first (`_warm_ups`); the rest are priced knowing their K."""
     capped = [p.cap(c) for p, c in zip(policies, contexts, strict=True)]
-    decisions = _warm_ups(policies, contexts, capped, costs, others)
+    decisions = _first_looks(policies, contexts)
+    decisions.update(_warm_ups(policies, contexts, capped, costs, others, decisions))
     rest = [i for i in range(len(policies)) if i not in decisions]
     if rest:
         priced = _priced(
@@ -70,15 +74,34 @@ def decide_together(
     return [decisions[i] for i in range(len(policies))]
 
 
-def _warm_ups(policies, contexts, capped, costs: StepCosts, others) -> dict[int, Decision]:
+def _first_looks(policies, contexts) -> dict[int, Decision]:
+    """The requests that look back before they draft, by index (`Adaptive.looks_first`: after
+    a long prompt, their own drafts unknown): at K = 0 until LOOK_BACK_AT emitted tokens can be
+    judged, then looking back. Learnt by drafting, a batch of 4 after 1,000 tokens paid ~10
+    rounds of a call twice as wide for one request's drafts (~1.5 s of a 20 s turn where the
+    target alone was best, 0.92x it), and one request alone drafted through an opening its
+    draft guessed badly."""
+    decisions = {}
+    for i, (policy, ctx) in enumerate(zip(policies, contexts, strict=True)):
+        if policy.looks_first(ctx):
+            ready = ctx.unjudged >= LOOK_BACK_AT
+            why = f"looking back at {ctx.unjudged} tokens" if ready else "waiting to look back"
+            decisions[i] = Decision(0, f"long context, own drafts unknown: {why}", ready)
+    return decisions
+
+
+def _warm_ups(policies, contexts, capped, costs: StepCosts, others, decided) -> dict[int, Decision]:
     """The requests that draft to learn, by index: those whose source has no cost curve yet
     (WARM_UP_K), and in a batch, while its runtime has not learnt a source's acceptance, those
     drafting by it: every request of a free source (WARM_UP_K: a lookup costs no step), and
     of the draft model one request for the batch (`_learner`), the others waiting at K = 0.
-    (Alone, a request learns by its probes; in a batch, no probe runs to learn.)"""
+    (Alone, a request learns by its probes; in a batch, no probe runs to learn.) The requests
+    `decided` already (looking back) are theirs to leave."""
     batch = len(policies) + len(others)
     decisions, learning = {}, []
     for i, (p, c, (cap, note)) in enumerate(zip(policies, contexts, capped, strict=True)):
+        if i in decided:
+            continue
         cold = batch > 1 and cap and p.learning(c.source)
         if cold and c.source == "model" and costs.ready_for(c.source):
             learning.append(i)
@@ -145,7 +168,12 @@ def _priced(policies, contexts, capped, costs: StepCosts, others) -> list[Decisi
         for p, c in zip(policies, contexts, strict=True)
         if c.source == "model"
     )
-    chosen = _keep_course(options, sources, drafting)
+    start = None
+    if all(p.can_look_back(c) for p, c in zip(policies, contexts, strict=True)):
+        floors = [min(p.floor(c), ALPHA_TOP) for p, c in zip(policies, contexts, strict=True)]
+        start = functools.partial(price_round, alphas=floors, sources=sources, lags=lags)
+        start = functools.partial(start, others=others, costs=costs)
+    chosen = _keep_course(options, sources, drafting, start)
     refresh = _refresh(options, chosen, sources, others, costs)
     rate, draft, verify, ks = refresh or chosen
     base = costs.verify_cost(batch)  # the batch's call at K = 0
@@ -200,27 +228,48 @@ def _probed(policies, contexts, caps, reasons, costs: StepCosts, others, chosen)
     soon = waited < (PROBE_AFTER if batch > 1 else PROBE_AFTER_ALONE)
     if soon or not _could_pay(contexts, caps, ks, others, costs, rate):
         return decisions
-    hopes = [min(p.hopeful(c.source), ALPHA_TOP) for p, c in zip(policies, contexts, strict=True)]
+    looks = [p.can_look_back(c) for p, c in zip(policies, contexts, strict=True)]
+    hopes = [
+        min(p.ceiling(c.source) if look else p.hopeful(c.source), ALPHA_TOP)
+        for p, c, look in zip(policies, contexts, looks, strict=True)
+    ]
     if waited < PROBE_HOPELESS and not _could_pay(contexts, caps, ks, others, costs, rate, hopes):
         return decisions
     wider = costs.verify_cost(batch * max(2, max(ks) + 1))
-    extras = {}
+    shares = {}  # of the rounds waited, what each request's probe or look-back would cost
     for i in waiting:
-        source, lag = contexts[i].source, contexts[i].lag
+        source, lag, unjudged = contexts[i].source, contexts[i].lag, contexts[i].unjudged
+        if looks[i]:  # a look-back reads its tokens in a call of its own, and widens nothing
+            if unjudged >= LOOK_BACK_AT:
+                look = costs.draft_cost(source, 1, unjudged + 1)
+                shares[i] = look / (LOOK_SHARE * price * waited)
+            continue
         catch_up = costs.catch_up_cost(lag) if source == "model" else 0.0
         extra = wider - price + costs.draft_cost(source, 1) + catch_up
-        extras[i] = extra - policies[i].alpha(source) * price / batch  # the draft it keeps
-    i = min(extras, key=extras.get)
-    if extras[i] <= PROBE_SHARE * price * waited:
+        extra -= policies[i].alpha(source) * price / batch  # the draft it keeps
+        shares[i] = extra / (PROBE_SHARE * price * waited)
+    i = min(shares, key=shares.get, default=None)
+    if i is None or shares[i] > 1:
+        return decisions
+    if looks[i]:
+        why = f"{reasons[i]}; looking back at {contexts[i].unjudged} tokens after {waited} rounds"
+        decisions[i] = Decision(0, why, look_back=True)
+    else:
         policies[i].probing = True
         why = f"{reasons[i]}; probing acceptance after {waited} rounds without drafts"
         decisions[i] = Decision(1, why)
     return decisions
 
 
-def _keep_course(options: list[tuple], sources: Sequence[str], drafting: bool) -> tuple:
+def _keep_course(options: list[tuple], sources: Sequence[str], drafting: bool, start=None):
     """The best priced option (rate, draft, verify, ks; see `_best`), unless it starts
     or stops the model's drafts for less than SWITCH_GAIN over the best option that does not.
+    Where the batch learns by looking back (`start`: a round's price at each request's floor,
+    `Adaptive.floor`), a start is priced at the floors, and a stop needs no margin: a course
+    that starts only on evidence does not flip back on noise, and its look-backs keep the
+    draft model's cache near the answer's end, so a restart costs no catch-up. With the
+    margin, a batch that had started on a lucky opening drafted on at 0.55-0.6 where
+    drafting paid from 0.62 (4 clients after 1,000 tokens, 0.93x the target alone).
     Where drafting and the target alone price within noise of each other, the choice flipped
     round by round, and every return to drafting first fed the draft model all it had missed:
     adaptive drafted a mean K of 0.47 at 4 clients and ran at 0.81x the target alone, which
@@ -233,7 +282,11 @@ def _keep_course(options: list[tuple], sources: Sequence[str], drafting: bool) -
     if _model_drafts(chosen, sources) == drafting or not same:
         return chosen
     stay = _best(same)
-    return chosen if chosen[0] > SWITCH_GAIN * stay[0] else stay
+    if start is None:
+        switch = chosen[0] > SWITCH_GAIN * stay[0]
+    else:
+        switch = drafting or start(chosen[3])[0] > SWITCH_GAIN * stay[0]
+    return chosen if switch else stay
 
 
 def _refresh(options: list[tuple], chosen: tuple, sources: Sequence[str], others, costs):

@@ -15,12 +15,15 @@ class RoundContext:
     # what a free source (a prediction) expects to serve, for free, after this round
     source: str = "model"  # who drafts this round: "model", "ngram", ... (see drafters)
     lag: int = 0  # tokens the draft model must catch up on before it drafts (model rounds)
+    unjudged: int = 0  # emitted tokens a look-back would judge now...
+    can_look: bool = False  # ...where it can look back at all (greedy, unconstrained, a model)
 
 
 @dataclass(frozen=True)
 class Decision:
     k: int
     reason: str
+    look_back: bool = False  # at K = 0: the draft model reads and is judged (see `Policy`)
 
 
 class Policy(Protocol):
@@ -29,7 +32,12 @@ class Policy(Protocol):
 
     `together`: in a batch, its K is chosen with the batch's other such policies, priced as
     one round (joint.py's `decide_together`); otherwise it decides alone, before them, and
-    they know its K."""
+    they know its K.
+
+    A decision may ask a request at K = 0 to look back (`RoundContext.unjudged`): its draft
+    model then reads what it has not, and its guesses at the emitted tokens there are judged,
+    as drafting would have had them judged (drafters.py's `ModelDrafter.look_back`). A policy
+    that asks is told what was judged by `looked_back(kept, judged, source)`."""
 
     together: bool
     confidence_threshold: float  # its draft stops where the draft's top probability is below

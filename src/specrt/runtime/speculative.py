@@ -91,11 +91,19 @@ def speculate(reqs: list[Sequence], target: Engine, costs: StepCosts) -> Round:
         for r, room in zip(reqs, rooms, strict=True)
     ]
     contexts = [
-        RoundContext(o.available, len(r.tokens), max(1, room + 1 - o.free_ahead), o.source, o.lag)
+        RoundContext(
+            o.available,
+            len(r.tokens),
+            max(1, room + 1 - o.free_ahead),
+            o.source,
+            o.lag,
+            o.unjudged,
+            o.source == "model" and r.params.greedy and r.constraints is None,
+        )
         for r, o, room in zip(reqs, offers, rooms, strict=True)
     ]
     decisions = decide_round([r.policy for r in reqs], contexts, costs)
-    proposals, steps = _propose(reqs, offers, decisions, rooms)
+    proposals, steps, looks = _propose(reqs, offers, decisions, rooms)
     t1 = time.perf_counter()
     logits = target.forward_rows(
         [(r.slot, [r.tokens[-1], *p.tokens]) for r, p in _pairs(reqs, proposals)]
@@ -108,6 +116,8 @@ def speculate(reqs: list[Sequence], target: Engine, costs: StepCosts) -> Round:
         accepted.append(n)
         emitted.append(kept)
         logprobs.append(entries)
+    for i, (kept, judged) in looks.items():
+        reqs[i].policy.looked_back(kept, judged, offers[i].source)
     drafted = [len(p.tokens) for p in proposals]
     context = sum(c.position for c in contexts) / len(contexts)
     _observe_costs(costs, drafted, steps, t2 - t1, context)
@@ -156,13 +166,16 @@ def _draft_job(r: Sequence, k: int, room: int, offer: Offer) -> DraftJob:
 
 
 def _propose(reqs: list[Sequence], offers: list[Offer], decisions: list[Decision], rooms):
-    """Each request's drafts (lookups alone, model drafts for all requests together), and what
-    the draft model's calls took (see `draft_together`)."""
+    """Each request's drafts (lookups alone, model drafts for all requests together), what
+    the draft model's calls took (see `draft_together`), and by request, what its look-back
+    judged (guesses kept, judged)."""
     proposals = [Proposal() for _ in reqs]
-    together, steps = [], []
+    together, steps, looks = [], [], {}
     for i, (r, offer, decision) in enumerate(zip(reqs, offers, decisions, strict=True)):
         if offer.source == "model" and (decision.k or offer.prefix):
             together.append(i)
+        elif decision.look_back and offer.source == "model":
+            looks[i] = r.drafter.model.look_back(r.tokens)
         elif decision.k:
             threshold = r.policy.confidence_threshold
             proposals[i] = r.drafter.propose(r.tokens, decision.k, r.params, r.rng, threshold)
@@ -171,7 +184,7 @@ def _propose(reqs: list[Sequence], offers: list[Offer], decisions: list[Decision
         drafted, steps = draft_together(jobs)
         for i, proposal in zip(together, drafted, strict=True):
             proposals[i] = proposal
-    return proposals, steps
+    return proposals, steps, looks
 
 
 def _observe_costs(costs, drafted, steps: Steps, verify_s: float, context: float) -> None:

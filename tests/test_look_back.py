@@ -1,0 +1,192 @@
+"""Look-backs: after a long prompt, a request at K = 0 learns its draft's acceptance by letting
+the draft model read what it missed and judging its guesses at the emitted tokens there, where a
+probe would widen every row of the batch's call for one draft. The judgement is exactly the one
+drafting would have made (greedy); the controller looks back before it drafts, starts drafting
+only where the lower bound of what it judged pays, and looks back again at a share of its wait.
+Outputs never change: a look-back only feeds the draft model tokens the target emitted."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from fixed_costs import gguf_costs
+
+from specrt.runtime import SpeculativeRuntime
+from specrt.runtime.controller import Adaptive
+from specrt.runtime.costs import StepCosts
+from specrt.runtime.drafters import SINKS, ModelDrafter
+from specrt.runtime.drafting import DraftJob, draft_together
+from specrt.runtime.joint import (
+    LOOK_BACK_AT,
+    LOOK_SHARE,
+    PROBE_AFTER,
+    PROBE_HOPELESS,
+    decide_together,
+)
+from specrt.runtime.policy import RoundContext
+from specrt.runtime.pool import PooledAcceptance
+from specrt.runtime.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llama(bundles):
+    return SpeculativeRuntime.load(bundles["llama"], threads=1, calibrate=False)
+
+
+def _drafted(rt, prompt: list[int], seq: list[int]) -> list[bool]:
+    """Whether a draft of one token after each prefix of seq past the prompt (a scouted draft
+    model, drafting every round, its drafts judged against the next token) would be kept."""
+    drafter = ModelDrafter(rt.draft, window=24)
+    drafter.start(prompt, 0, None)
+    kept = []
+    for end in range(len(prompt), len(seq)):
+        drafter.offer(seq[:end], 1)
+        job = DraftJob(drafter, seq[:end], 1, SamplingParams(), np.random.default_rng(0))
+        (proposal,), _ = draft_together([job])
+        kept.append(proposal.tokens[0] == seq[end])
+        drafter.rollback(end)
+    return kept
+
+
+def test_a_look_back_judges_what_drafting_would_have(agree_bundle, small_scout):
+    """The agreeing pair after a 40-token prompt (scouted: the draft reads its sinks and last
+    8) and 20 tokens after it, the target's answer with every third token changed, so that
+    the draft's guesses are kept only now and then: one look-back judges the draft model's
+    guess at each of the 20 and keeps exactly those that drafting one token every round would
+    have had kept; its cache then holds what it read, so drafting goes on from there."""
+    rt = SpeculativeRuntime.load(agree_bundle, threads=1, calibrate=False)
+    prompt = [5 + (7 * i) % 50 for i in range(40)]
+    answer = rt.generate(prompt, max_new_tokens=20, speculate=False, ignore_eos=True).token_ids
+    seq = [*prompt, *(t if i % 3 else (t + 1) % 90 for i, t in enumerate(answer))]
+    expected = _drafted(rt, prompt, seq)
+    assert 0 < sum(expected) < len(expected)  # a pair that agrees only sometimes
+    drafter = ModelDrafter(rt.draft, window=24)
+    drafter.start(prompt, 0, None)
+    assert drafter.offer(seq, 1).unjudged == 20
+    assert drafter.look_back(seq) == (sum(expected), 20)
+    assert list(rt.draft.held(0)) == [*prompt[:SINKS], *seq[len(prompt) - 8 + SINKS :]]
+    assert drafter.offer(seq, 1).unjudged == 0 and drafter.look_back(seq) == (0, 0)
+
+
+def test_a_look_back_far_behind_reads_the_last_look_back_tokens(llama, small_scout, monkeypatch):
+    """A draft model LOOK_BACK tokens behind and more reads only the last LOOK_BACK (here 8)
+    past its sinks, and judges the 7 emitted tokens among them that follow one it read."""
+    from specrt.runtime import drafters
+
+    monkeypatch.setattr(drafters, "LOOK_BACK", 8)
+    prompt = [5 + (7 * i) % 50 for i in range(40)]
+    seq = [*prompt, *range(60, 80)]
+    drafter = ModelDrafter(llama.draft, window=24)
+    drafter.start(prompt, 0, None)
+    assert drafter.offer(seq, 1).unjudged == 7
+    assert drafter.look_back(seq)[1] == 7
+    assert list(llama.draft.held(0)) == [*prompt[:SINKS], *seq[-8:]]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_greedy_output_is_the_target_alone_through_look_backs(bundles, arch):
+    """Adaptive with a 'long context' of 8 tokens on the tiny pairs: its requests look back
+    before they draft and between stretches at K = 0; the output is the target alone's."""
+    rt = SpeculativeRuntime.load(bundles[arch], threads=1)
+    prompt = [3 + (7 * i) % 90 for i in range(24)]
+    alone = rt.generate(prompt, max_new_tokens=60, speculate=False, ignore_eos=True)
+    policy = Adaptive(costs=rt.costs, long_context=8)
+    spec = rt.generate(prompt, max_new_tokens=60, controller=policy, ignore_eos=True)
+    assert spec.token_ids == alone.token_ids
+    assert any("looking back" in reason for reason in spec.stats.reasons)
+
+
+def _alone(unjudged: int, can_look: bool = True) -> RoundContext:
+    return RoundContext(8, 2000, 256, lag=40, unjudged=unjudged, can_look=can_look)
+
+
+def test_after_a_long_prompt_a_request_looks_back_before_it_drafts():
+    """Alone on the gguf curves after 2,000 tokens: a request waits at K = 0 until it can
+    judge LOOK_BACK_AT tokens, then looks back; with all judged guesses kept it drafts, with
+    a quarter it does not. Control: a request that cannot look back (sampled, constrained)
+    drafts one token from its first round, as before look-backs."""
+    policy = Adaptive(costs=gguf_costs())
+    assert policy.decide(_alone(LOOK_BACK_AT - 1)).k == 0
+    assert "waiting to look back" in policy.decide(_alone(LOOK_BACK_AT - 1)).reason
+    decision = policy.decide(_alone(LOOK_BACK_AT))
+    assert (decision.k, decision.look_back) == (0, True)
+    sure, doubtful = Adaptive(costs=gguf_costs()), Adaptive(costs=gguf_costs())
+    sure.looked_back(LOOK_BACK_AT, LOOK_BACK_AT)
+    doubtful.looked_back(LOOK_BACK_AT // 4, LOOK_BACK_AT)
+    assert sure.decide(_alone(1)).k >= 1 and doubtful.decide(_alone(1)).k == 0
+    assert Adaptive(costs=gguf_costs()).decide(_alone(LOOK_BACK_AT, can_look=False)).k == 1
+
+
+def test_a_start_is_priced_at_the_floor_of_what_was_judged(monkeypatch):
+    """4 clients after 1,000 tokens (AMX Xeon: the 4-row call 0.153 s, the 8-row 0.205): a
+    round at K = 1 pays from acceptance 0.62, and their first look-backs kept 12 of 16 guesses
+    (an estimate of 0.72, a floor of 0.6): the batch stays at K = 0. Control: a start priced
+    at the estimate drafts, which a lucky opening set going at 0.55-0.6 (0.93x the target
+    alone)."""
+
+    def ks() -> list[int]:
+        costs = StepCosts(draft={1: 0.020, 4: 0.040, 8: 0.050}, verify={4: 0.153, 8: 0.205})
+        pool = PooledAcceptance()
+        batch = [Adaptive(costs=costs, pool=pool) for _ in range(4)]
+        for policy in batch:
+            policy.looked_back(12, 16)
+        contexts = [RoundContext(8, 1100, 100, lag=2, can_look=True)] * 4
+        return [d.k for d in decide_together(batch, contexts, costs)]
+
+    assert ks() == [0] * 4
+    monkeypatch.setattr(Adaptive, "floor", lambda self, ctx: self.alpha(ctx.source))
+    assert ks() == [1] * 4
+
+
+def test_a_batch_at_k0_looks_back_at_a_share_of_its_wait():
+    """The same 4 clients at K = 0, their draft models 31 tokens behind: one request looks back
+    (a 32-token draft call, 0.068 s) once the rounds they waited cover it at LOOK_SHARE, not
+    PROBE_SHARE; it judges 31 guesses where a probe judges one. Control: requests that cannot
+    look back wait on, and probe once no probe could change the course for PROBE_HOPELESS
+    rounds (one kept draft beside their pool's 0.56 would not reach the 0.62 that pays)."""
+
+    costs = StepCosts(draft={1: 0.020, 16: 0.045, 33: 0.070}, verify={4: 0.153, 8: 0.205})
+
+    def decided(idle: int, can_look: bool) -> list:
+        pool = PooledAcceptance()
+        batch = [Adaptive(costs=costs, pool=pool) for _ in range(4)]
+        for policy in batch:
+            policy.looked_back(9, 16)
+            policy.idle = idle
+        ctx = RoundContext(8, 1100, 100, lag=31, unjudged=31, can_look=can_look)
+        return [d for d in decide_together(batch, [ctx] * 4, costs) if d.k or d.look_back]
+
+    at = int(np.ceil(costs.draft_cost("model", 1, 32) / (LOOK_SHARE * 0.153)))
+    assert at - 1 > PROBE_AFTER and not decided(at - 1, True)
+    (look,) = decided(at, True)
+    assert look.look_back and look.k == 0 and "looking back at 31 tokens" in look.reason
+    assert not decided(at, False)
+    (probe,) = decided(PROBE_HOPELESS, False)
+    assert probe.k == 1 and "probing" in probe.reason
+
+
+def test_a_wide_call_not_timed_at_this_context_is_priced_with_calibrations_difference(
+    monkeypatch,
+):
+    """The 4 clients after 1,000 tokens at acceptance 0.58, only the 4-row call timed there
+    (0.153 s; 0.114 at calibration, the 8-row 0.166): the 8-row call is priced as the 4-row
+    one and calibration's 0.052 between them (0.205; it takes that), and the batch stays at
+    K = 0. Control: priced as the 4-row call alone (the wider call looked free), it drafted."""
+
+    def ks() -> list[int]:
+        costs = StepCosts(draft={1: 0.020, 4: 0.040, 8: 0.050}, verify={4: 0.114, 8: 0.166})
+        for n in range(20):
+            costs.observe_verify(4, 0.153, context=1040 + n)
+        batch = [Adaptive(costs=costs, prior_alpha=0.58, pool_weight=1e9) for _ in range(4)]
+        contexts = [RoundContext(8, 1060, 100, lag=2)] * 4
+        return costs.verify_cost(8), [d.k for d in decide_together(batch, contexts, costs)]
+
+    price, chosen = ks()
+    assert price == pytest.approx(0.205, rel=0.02) and chosen == [0] * 4
+    monkeypatch.setattr(StepCosts, "_guess", _narrower_alone)
+    assert ks()[1] == [1] * 4
+
+
+def _narrower_alone(self, rows: int, own: float, here: dict[int, float]) -> float:
+    """The guess before: calibration scaled by the drift, or the dearest narrower count."""
+    return max([own, *(seconds for n, seconds in here.items() if n < rows)])

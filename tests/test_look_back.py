@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from fixed_costs import gguf_costs
 
-from specrt.runtime import SpeculativeRuntime
+from specrt.runtime import Scheduler, SpeculativeRuntime
 from specrt.runtime.controller import Adaptive
 from specrt.runtime.costs import StepCosts
 from specrt.runtime.drafters import SINKS, ModelDrafter
@@ -85,36 +85,60 @@ def test_a_look_back_far_behind_reads_the_last_look_back_tokens(llama, small_sco
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_greedy_output_is_the_target_alone_through_look_backs(bundles, arch):
-    """Adaptive with a 'long context' of 8 tokens on the tiny pairs: its requests look back
-    before they draft and between stretches at K = 0; the output is the target alone's."""
-    rt = SpeculativeRuntime.load(bundles[arch], threads=1)
-    prompt = [3 + (7 * i) % 90 for i in range(24)]
-    alone = rt.generate(prompt, max_new_tokens=60, speculate=False, ignore_eos=True)
-    policy = Adaptive(costs=rt.costs, long_context=8)
-    spec = rt.generate(prompt, max_new_tokens=60, controller=policy, ignore_eos=True)
-    assert spec.token_ids == alone.token_ids
-    assert any("looking back" in reason for reason in spec.stats.reasons)
+    """Two requests at once, adaptive with a 'long context' of 8 tokens on the tiny pairs:
+    they look back before they draft and between stretches at K = 0; each output is the
+    target alone's."""
+    rt = SpeculativeRuntime.load(bundles[arch], threads=1, slots=2)
+    prompts = [[3 + (7 * i + j) % 90 for i in range(24)] for j in (0, 5)]
+    alone = [
+        rt.generate(p, max_new_tokens=60, speculate=False, ignore_eos=True).token_ids
+        for p in prompts
+    ]
+    scheduler = Scheduler(rt.target, rt.costs, slots=2)
+    together = []
+    for prompt in prompts:
+        policy = Adaptive(costs=rt.costs, pool=rt.acceptance, long_context=8)
+        together.append(rt.sequence(prompt, max_new_tokens=60, controller=policy, ignore_eos=True))
+        scheduler.add(together[-1])
+    while scheduler.busy:
+        scheduler.step()
+    assert [s.result.token_ids for s in together] == alone
+    reasons = [reason for s in together for reason in s.result.stats.reasons]
+    assert any("looking back" in reason for reason in reasons)
 
 
-def _alone(unjudged: int, can_look: bool = True) -> RoundContext:
-    return RoundContext(8, 2000, 256, lag=40, unjudged=unjudged, can_look=can_look)
+def _pair(unjudged: int, can_look: bool = True) -> list[RoundContext]:
+    return [RoundContext(8, 2000, 256, lag=40, unjudged=unjudged, can_look=can_look)] * 2
 
 
-def test_after_a_long_prompt_a_request_looks_back_before_it_drafts():
-    """Alone on the gguf curves after 2,000 tokens: a request waits at K = 0 until it can
-    judge LOOK_BACK_AT tokens, then looks back; with all judged guesses kept it drafts, with
-    a quarter it does not. Control: a request that cannot look back (sampled, constrained)
-    drafts one token from its first round, as before look-backs."""
-    policy = Adaptive(costs=gguf_costs())
-    assert policy.decide(_alone(LOOK_BACK_AT - 1)).k == 0
-    assert "waiting to look back" in policy.decide(_alone(LOOK_BACK_AT - 1)).reason
-    decision = policy.decide(_alone(LOOK_BACK_AT))
-    assert (decision.k, decision.look_back) == (0, True)
-    sure, doubtful = Adaptive(costs=gguf_costs()), Adaptive(costs=gguf_costs())
-    sure.looked_back(LOOK_BACK_AT, LOOK_BACK_AT)
-    doubtful.looked_back(LOOK_BACK_AT // 4, LOOK_BACK_AT)
-    assert sure.decide(_alone(1)).k >= 1 and doubtful.decide(_alone(1)).k == 0
-    assert Adaptive(costs=gguf_costs()).decide(_alone(LOOK_BACK_AT, can_look=False)).k == 1
+def _ks(batch: list[Adaptive], contexts: list[RoundContext]) -> list:
+    return decide_together(batch, contexts, batch[0].costs)
+
+
+def test_after_a_long_prompt_a_batch_looks_back_before_it_drafts():
+    """Two requests on the gguf curves after 2,000 tokens: each waits at K = 0 until it can
+    judge LOOK_BACK_AT tokens, then looks back; with all judged guesses kept they draft, with
+    a quarter they do not. Controls: requests that cannot look back (sampled, constrained),
+    and a request alone, learn by drafting and probes as before look-backs."""
+
+    def pair() -> list[Adaptive]:
+        return [Adaptive(costs=gguf_costs()) for _ in range(2)]
+
+    assert [d.k for d in _ks(pair(), _pair(LOOK_BACK_AT - 1))] == [0, 0]
+    assert "waiting to look back" in _ks(pair(), _pair(LOOK_BACK_AT - 1))[0].reason
+    assert [(d.k, d.look_back) for d in _ks(pair(), _pair(LOOK_BACK_AT))] == [(0, True)] * 2
+    sure, doubtful = pair(), pair()
+    for policy in sure:
+        policy.looked_back(LOOK_BACK_AT, LOOK_BACK_AT)
+    for policy in doubtful:
+        policy.looked_back(LOOK_BACK_AT // 4, LOOK_BACK_AT)
+    assert min(d.k for d in _ks(sure, _pair(1))) >= 1
+    assert [d.k for d in _ks(doubtful, _pair(1))] == [0, 0]
+    for decision in [
+        *_ks(pair(), _pair(LOOK_BACK_AT, can_look=False)),
+        Adaptive(costs=gguf_costs()).decide(_pair(LOOK_BACK_AT)[0]),
+    ]:
+        assert not decision.look_back and "look back" not in decision.reason
 
 
 def test_a_start_is_priced_at_the_floor_of_what_was_judged(monkeypatch):
@@ -134,7 +158,7 @@ def test_a_start_is_priced_at_the_floor_of_what_was_judged(monkeypatch):
         return [d.k for d in decide_together(batch, contexts, costs)]
 
     assert ks() == [0] * 4
-    monkeypatch.setattr(Adaptive, "floor", lambda self, ctx: self.alpha(ctx.source))
+    monkeypatch.setattr(Adaptive, "floor", lambda self, source="model": self.alpha(source))
     assert ks() == [1] * 4
 
 

@@ -125,16 +125,15 @@ class Adaptive:
         pool's share holds it down)."""
         return self._bound(source, 1.0)
 
-    def floor(self, ctx: RoundContext) -> float:
-        """The lowest acceptance its own drafts make plausible, where it learns by looking back
-        (`can_look_back`): their one-sided 84 % Wilson bound (0 before DOUBT_AFTER were
-        judged), at most its estimate; else the estimate. What joint.py's `_keep_course`
-        prices a start of drafting at: after a long prompt, an answer's opening is often the
-        part the draft guesses best (a first look-back kept 6 of 8 guesses where the answer's
-        next 100 kept 0.5), and started on its estimate, 4 clients after 1,000 tokens drafted
-        20 rounds at 0.55-0.6 where drafting paid from 0.62 (0.93x the target alone)."""
-        alpha = self.alpha(ctx.source)
-        return min(alpha, self._bound(ctx.source, -1.0)) if self.can_look_back(ctx) else alpha
+    def floor(self, source: str = "model") -> float:
+        """The lowest acceptance its own drafts make plausible: their one-sided 84 % Wilson
+        bound (0 before DOUBT_AFTER were judged), at most its estimate. What joint.py's
+        `_keep_course` prices a start of drafting at where the batch learns by looking back:
+        after a long prompt, an answer's opening is often the part the draft guesses best (a
+        first look-back kept 6 of 8 guesses where the answer's next 100 kept 0.5), and started
+        on its estimate, 4 clients after 1,000 tokens drafted 20 rounds at 0.55-0.6 where
+        drafting paid from 0.62 (0.93x the target alone)."""
+        return min(self.alpha(source), self._bound(source, -1.0))
 
     def _bound(self, source: str, side: float) -> float:
         """The one-sided DOUBT_Z Wilson bound of its own (decayed) drafts' acceptance, upper
@@ -175,15 +174,21 @@ class Adaptive:
         a pool of 0.45), so this errs low by that much."""
         return self._shrunk((1.0, 0.0), self._pooled(source))
 
-    def can_look_back(self, ctx: RoundContext) -> bool:
-        """Whether this request learns by looking back rather than by probes (drafters.py's
-        `ModelDrafter.look_back`): after a long prompt, where its draft model's guesses can be
-        judged (`RoundContext.can_look`) and it may draft none."""
-        return ctx.can_look and ctx.position > self.long_context and not self.k_min
+    def can_look_back(self, ctx: RoundContext, batch: int) -> bool:
+        """Whether this request learns by looking back rather than by drafting and probes
+        (drafters.py's `ModelDrafter.look_back`): after a long prompt, in a batch (where a
+        learner's or a probe's draft widens every request's call), where its draft model's
+        guesses can be judged (`RoundContext.can_look`) and it may draft none. Alone, where a
+        probe widens one row, a request drafts to learn: looking back alone after 1,000 tokens,
+        a summary's first 16 tokens kept 4 of the draft's guesses where its answer kept 0.5,
+        and at LOOK_SHARE of its wait it looked back no more, at K = 0 where fixed K = 1 ran
+        1.07x the target alone (0.92-0.95x)."""
+        return batch > 1 and ctx.can_look and ctx.position > self.long_context and not self.k_min
 
-    def looks_first(self, ctx: RoundContext) -> bool:
+    def looks_first(self, ctx: RoundContext, batch: int) -> bool:
         """Whether it looks back before it drafts: it can, and its own drafts are unknown."""
-        return self.can_look_back(ctx) and sum(self.counts.get(ctx.source, ())) < DOUBT_AFTER
+        judged = sum(self.counts.get(ctx.source, ()))
+        return self.can_look_back(ctx, batch) and judged < DOUBT_AFTER
 
     def learning(self, source: str) -> bool:
         """Whether its runtime's pool has yet to learn this source's acceptance, from any

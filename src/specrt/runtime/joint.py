@@ -1,8 +1,9 @@
 """How the adaptive requests of a round choose K together (see controller.py's `Adaptive`):
 the policies that decide alone first, then one K for the adaptive requests drafting by the
 model and one for those drafting for free, priced as one round (pricing.py), kept on course
-where the choice is within noise, a stale call timed again, and a probe where one is cheap;
-in a batch whose runtime has not learnt the draft's acceptance yet, one request drafts to learn.
+where the choice is within noise, a stale call timed again, and a probe or a look-back where
+one is cheap; in a batch whose runtime has not learnt the draft's acceptance yet, one request
+drafts to learn, and after a long prompt each request looks back before it drafts.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def decide_together(
     and emit at least one token each. Requests whose source cannot be priced yet warm up
     first (`_warm_ups`); the rest are priced knowing their K."""
     capped = [p.cap(c) for p, c in zip(policies, contexts, strict=True)]
-    decisions = _first_looks(policies, contexts)
+    decisions = _first_looks(policies, contexts, len(policies) + len(others))
     decisions.update(_warm_ups(policies, contexts, capped, costs, others, decisions))
     rest = [i for i in range(len(policies)) if i not in decisions]
     if rest:
@@ -74,16 +75,15 @@ def decide_together(
     return [decisions[i] for i in range(len(policies))]
 
 
-def _first_looks(policies, contexts) -> dict[int, Decision]:
-    """The requests that look back before they draft, by index (`Adaptive.looks_first`: after
-    a long prompt, their own drafts unknown): at K = 0 until LOOK_BACK_AT emitted tokens can be
-    judged, then looking back. Learnt by drafting, a batch of 4 after 1,000 tokens paid ~10
-    rounds of a call twice as wide for one request's drafts (~1.5 s of a 20 s turn where the
-    target alone was best, 0.92x it), and one request alone drafted through an opening its
-    draft guessed badly."""
+def _first_looks(policies, contexts, batch: int) -> dict[int, Decision]:
+    """The requests that look back before they draft, by index (`Adaptive.looks_first`: in a
+    batch after a long prompt, their own drafts unknown): at K = 0 until LOOK_BACK_AT emitted
+    tokens can be judged, then looking back. Learnt by drafting, a batch of 4 after 1,000
+    tokens paid ~10 rounds of a call twice as wide for one request's drafts (~1.5 s of a 20 s
+    turn where the target alone was best, 0.92x it)."""
     decisions = {}
     for i, (policy, ctx) in enumerate(zip(policies, contexts, strict=True)):
-        if policy.looks_first(ctx):
+        if policy.looks_first(ctx, batch):
             ready = ctx.unjudged >= LOOK_BACK_AT
             why = f"looking back at {ctx.unjudged} tokens" if ready else "waiting to look back"
             decisions[i] = Decision(0, f"long context, own drafts unknown: {why}", ready)
@@ -169,8 +169,8 @@ def _priced(policies, contexts, capped, costs: StepCosts, others) -> list[Decisi
         if c.source == "model"
     )
     start = None
-    if all(p.can_look_back(c) for p, c in zip(policies, contexts, strict=True)):
-        floors = [min(p.floor(c), ALPHA_TOP) for p, c in zip(policies, contexts, strict=True)]
+    if all(p.can_look_back(c, batch) for p, c in zip(policies, contexts, strict=True)):
+        floors = [min(p.floor(s), ALPHA_TOP) for p, s in zip(policies, sources, strict=True)]
         start = functools.partial(price_round, alphas=floors, sources=sources, lags=lags)
         start = functools.partial(start, others=others, costs=costs)
     chosen = _keep_course(options, sources, drafting, start)
@@ -219,7 +219,9 @@ def _probed(policies, contexts, caps, reasons, costs: StepCosts, others, chosen)
     AVX2 EPYC; alone, that rule never probed on a verify curve 12 % wider at 2 tokens.
     Counted by each request's own wait, 4 clients probed in 4 rounds in a row, each at the
     share the rounds allowed one. Not crediting the draft it keeps, a probe at acceptance
-    0.4 was priced 45 ms dear in 200."""
+    0.4 was priced 45 ms dear in 200. A request that can look back (`Adaptive.can_look_back`)
+    looks back instead, once LOOK_BACK_AT tokens can be judged, at LOOK_SHARE of the rounds
+    waited, and hopes for its own drafts' ceiling, not a kept probe (see `_shares`)."""
     rate, draft, verify, ks = chosen
     price, batch = draft + verify, len(policies) + len(others)
     decisions = [Decision(k, why) for k, why in zip(ks, reasons, strict=True)]
@@ -228,26 +230,15 @@ def _probed(policies, contexts, caps, reasons, costs: StepCosts, others, chosen)
     soon = waited < (PROBE_AFTER if batch > 1 else PROBE_AFTER_ALONE)
     if soon or not _could_pay(contexts, caps, ks, others, costs, rate):
         return decisions
-    looks = [p.can_look_back(c) for p, c in zip(policies, contexts, strict=True)]
+    looks = [p.can_look_back(c, batch) for p, c in zip(policies, contexts, strict=True)]
     hopes = [
         min(p.ceiling(c.source) if look else p.hopeful(c.source), ALPHA_TOP)
         for p, c, look in zip(policies, contexts, looks, strict=True)
     ]
     if waited < PROBE_HOPELESS and not _could_pay(contexts, caps, ks, others, costs, rate, hopes):
         return decisions
-    wider = costs.verify_cost(batch * max(2, max(ks) + 1))
-    shares = {}  # of the rounds waited, what each request's probe or look-back would cost
-    for i in waiting:
-        source, lag, unjudged = contexts[i].source, contexts[i].lag, contexts[i].unjudged
-        if looks[i]:  # a look-back reads its tokens in a call of its own, and widens nothing
-            if unjudged >= LOOK_BACK_AT:
-                look = costs.draft_cost(source, 1, unjudged + 1)
-                shares[i] = look / (LOOK_SHARE * price * waited)
-            continue
-        catch_up = costs.catch_up_cost(lag) if source == "model" else 0.0
-        extra = wider - price + costs.draft_cost(source, 1) + catch_up
-        extra -= policies[i].alpha(source) * price / batch  # the draft it keeps
-        shares[i] = extra / (PROBE_SHARE * price * waited)
+    spent = {i: price * waited for i in waiting}  # the seconds each request waited
+    shares = _shares(policies, contexts, looks, costs, (price, batch, max(ks)), spent)
     i = min(shares, key=shares.get, default=None)
     if i is None or shares[i] > 1:
         return decisions
@@ -259,6 +250,29 @@ def _probed(policies, contexts, caps, reasons, costs: StepCosts, others, chosen)
         why = f"{reasons[i]}; probing acceptance after {waited} rounds without drafts"
         decisions[i] = Decision(1, why)
     return decisions
+
+
+def _shares(policies, contexts, looks, costs: StepCosts, call, spent) -> dict[int, float]:
+    """Of its share of the seconds `spent` waiting, what each waiting request's probe or
+    look-back costs (1: all it may spend), for a round of `call` = (price, requests, widest K).
+    A probe widens the call to 2 tokens a row and first catches the draft model up, net of
+    the draft it expects to keep, at PROBE_SHARE; a look-back reads its tokens in a draft call
+    of its own and widens nothing, at LOOK_SHARE: it judges a guess a token waited, where a
+    probe judges one draft."""
+    price, batch, widest = call
+    wider = costs.verify_cost(batch * max(2, widest + 1))
+    shares = {}
+    for i, seconds in spent.items():
+        source, lag, unjudged = contexts[i].source, contexts[i].lag, contexts[i].unjudged
+        if looks[i]:
+            if unjudged >= LOOK_BACK_AT:
+                shares[i] = costs.draft_cost(source, 1, unjudged + 1) / (LOOK_SHARE * seconds)
+            continue
+        catch_up = costs.catch_up_cost(lag) if source == "model" else 0.0
+        extra = wider - price + costs.draft_cost(source, 1) + catch_up
+        extra -= policies[i].alpha(source) * price / batch  # the draft it keeps
+        shares[i] = extra / (PROBE_SHARE * seconds)
+    return shares
 
 
 def _keep_course(options: list[tuple], sources: Sequence[str], drafting: bool, start=None):

@@ -237,8 +237,8 @@ def _probed(policies, contexts, caps, reasons, costs: StepCosts, others, chosen)
     ]
     if waited < PROBE_HOPELESS and not _could_pay(contexts, caps, ks, others, costs, rate, hopes):
         return decisions
-    spent = {i: price * waited for i in waiting}  # the seconds each request waited
-    shares = _shares(policies, contexts, looks, costs, (price, batch, max(ks)), spent)
+    call = (price, batch, max(ks), price * waited)
+    shares = _shares(policies, contexts, waiting, looks, costs, call)
     i = min(shares, key=shares.get, default=None)
     if i is None or shares[i] > 1:
         return decisions
@@ -252,17 +252,17 @@ def _probed(policies, contexts, caps, reasons, costs: StepCosts, others, chosen)
     return decisions
 
 
-def _shares(policies, contexts, looks, costs: StepCosts, call, spent) -> dict[int, float]:
-    """Of its share of the seconds `spent` waiting, what each waiting request's probe or
-    look-back costs (1: all it may spend), for a round of `call` = (price, requests, widest K).
-    A probe widens the call to 2 tokens a row and first catches the draft model up, net of
-    the draft it expects to keep, at PROBE_SHARE; a look-back reads its tokens in a draft call
-    of its own and widens nothing, at LOOK_SHARE: it judges a guess a token waited, where a
-    probe judges one draft."""
-    price, batch, widest = call
+def _shares(policies, contexts, waiting, looks, costs: StepCosts, call) -> dict[int, float]:
+    """What each waiting request's probe or look-back costs, as a share of what it may spend
+    (1: all of it), for a round of `call` = (price, requests, widest K, seconds waited). A
+    probe widens the call to 2 tokens a row and first catches the draft model up, net of the
+    draft it expects to keep, at PROBE_SHARE of the wait; a look-back reads its tokens in a
+    draft call of its own and widens nothing, at LOOK_SHARE: it judges a guess a token
+    waited, where a probe judges one draft."""
+    price, batch, widest, seconds = call
     wider = costs.verify_cost(batch * max(2, widest + 1))
     shares = {}
-    for i, seconds in spent.items():
+    for i in waiting:
         source, lag, unjudged = contexts[i].source, contexts[i].lag, contexts[i].unjudged
         if looks[i]:
             if unjudged >= LOOK_BACK_AT:

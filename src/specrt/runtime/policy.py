@@ -34,7 +34,7 @@ class Policy(Protocol):
     one round (joint.py's `decide_together`); otherwise it decides alone, before them, and
     they know its K.
 
-    A decision may ask a request at K = 0 to look back (`RoundContext.unjudged`): its draft
+    A decision may ask a request at K = 0 to look back (`RoundContext.can_look`): its draft
     model then reads what it has not, and its guesses at the emitted tokens there are judged,
     as drafting would have had them judged (drafters.py's `ModelDrafter.look_back`). A policy
     that asks is told what was judged by `looked_back(kept, judged, source)`."""

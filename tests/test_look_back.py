@@ -143,14 +143,16 @@ def test_after_a_long_prompt_a_batch_looks_back_before_it_drafts():
 
 def test_a_start_is_priced_at_the_floor_of_what_was_judged(monkeypatch):
     """4 clients after 1,000 tokens (AMX Xeon: the 4-row call 0.153 s, the 8-row 0.205): a
-    round at K = 1 pays from acceptance 0.62, and their first look-backs kept 12 of 16 guesses
-    (an estimate of 0.72, a floor of 0.6): the batch stays at K = 0. Control: a start priced
-    at the estimate drafts, which a lucky opening set going at 0.55-0.6 (0.93x the target
+    round at K = 1 pays from acceptance 0.62; their runtime's earlier drafts kept 0.4 and
+    their first look-backs 12 of 16 each (estimates 0.74, floors 0.63, the higher of their
+    own and their pool's lower bounds): the batch stays at K = 0. Control: a start priced at
+    the estimate drafts, which a lucky opening set going at 0.55-0.6 (0.93x the target
     alone)."""
 
     def ks() -> list[int]:
         costs = StepCosts(draft={1: 0.020, 4: 0.040, 8: 0.050}, verify={4: 0.153, 8: 0.205})
         pool = PooledAcceptance()
+        pool.observe("model", 20, 30, pool.member())  # the runtime's earlier drafts
         batch = [Adaptive(costs=costs, pool=pool) for _ in range(4)]
         for policy in batch:
             policy.looked_back(12, 16)

@@ -279,7 +279,8 @@ def _keep_course(options: list[tuple], sources: Sequence[str], drafting: bool, s
     """The best priced option (rate, draft, verify, ks; see `_best`), unless it starts
     or stops the model's drafts for less than SWITCH_GAIN over the best option that does not.
     Where the batch learns by looking back (`start`: a round's price at each request's floor,
-    `Adaptive.floor`), a start is priced at the floors, and a stop needs no margin: a course
+    `Adaptive.floor`), a start is priced at the floors, with no margin beyond them, and a stop
+    needs none either: a course
     that starts only on evidence does not flip back on noise, and its look-backs keep the
     draft model's cache near the answer's end, so a restart costs no catch-up. With the
     margin, a batch that had started on a lucky opening drafted on at 0.55-0.6 where
@@ -299,7 +300,7 @@ def _keep_course(options: list[tuple], sources: Sequence[str], drafting: bool, s
     if start is None:
         switch = chosen[0] > SWITCH_GAIN * stay[0]
     else:
-        switch = drafting or start(chosen[3])[0] > SWITCH_GAIN * stay[0]
+        switch = drafting or start(chosen[3])[0] > stay[0]
     return chosen if switch else stay
 
 

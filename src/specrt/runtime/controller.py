@@ -123,7 +123,7 @@ class Adaptive:
         one-sided 84 % Wilson bound, once DOUBT_AFTER were judged (1 before). Five drafts
         rejected in a row bound it near 0.2; a lucky streak never raises the estimate (the
         pool's share holds it down)."""
-        return self._bound(source, 1.0)
+        return _wilson(self.counts.get(source, (0.0, 0.0)), 1.0)
 
     def floor(self, source: str = "model") -> float:
         """The lowest acceptance its own drafts make plausible: their one-sided 84 % Wilson
@@ -137,13 +137,8 @@ class Adaptive:
         alone (at 0.5, 0.37) and asked 5 % more, 4 clients after 4,000 tokens of a summary
         that kept 0.51, where drafting paid from ~0.40, never drafted (0.91x fixed K = 1)."""
         pooled = self.pool.counts.get(source) if self.pool is not None else None
-        bound = max(self._bound(source, -1.0), _wilson(pooled or (0.0, 0.0), -1.0))
-        return min(self.alpha(source), bound)
-
-    def _bound(self, source: str, side: float) -> float:
-        """The one-sided DOUBT_Z Wilson bound of its own (decayed) drafts' acceptance, upper
-        (side 1) or lower (-1); before DOUBT_AFTER were judged, 1 or 0."""
-        return _wilson(self.counts.get(source, (0.0, 0.0)), side)
+        own = _wilson(self.counts.get(source, (0.0, 0.0)), -1.0)
+        return min(self.alpha(source), max(own, _wilson(pooled or (0.0, 0.0), -1.0)))
 
     def _base(self, source: str) -> float:
         """What the recent drafts are shrunk toward: the request's own long run (its last ~100

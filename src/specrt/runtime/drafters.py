@@ -203,9 +203,9 @@ class ModelDrafter:
 
     def _judged(self, seq: Sequence[int], held: int, skip: int) -> int:
         """Emitted tokens a look-back reading with `skip` judges: each one read after a token
-        it reads in the same run of the request's sequence (not the sinks' seam)."""
-        feed = len(self.unread(seq, held, skip))
-        run = feed if not skip or held >= SINKS else feed - (SINKS - held)
+        it reads in the same run of the request's sequence (past the sinks' seam). Counted,
+        not read: every offer asks, and `unread` copies the sequence while the sinks are."""
+        run = len(seq) - skip - (max(held, SINKS) if skip else held)
         return max(0, min(run - 1, len(seq) - self.prompt))
 
     def _view(self, seq: Sequence[int], limit: int, held: int) -> View | None:

@@ -171,8 +171,9 @@ def _priced(policies, contexts, capped, costs: StepCosts, others) -> list[Decisi
     start = None
     if all(p.can_look_back(c, batch) for p, c in zip(policies, contexts, strict=True)):
         floors = [min(p.floor(s), ALPHA_TOP) for p, s in zip(policies, sources, strict=True)]
-        start = functools.partial(price_round, alphas=floors, sources=sources, lags=lags)
-        start = functools.partial(start, others=others, costs=costs)
+        start = functools.partial(
+            price_round, alphas=floors, sources=sources, lags=lags, others=others, costs=costs
+        )
     chosen = _keep_course(options, sources, drafting, start)
     refresh = _refresh(options, chosen, sources, others, costs)
     rate, draft, verify, ks = refresh or chosen
@@ -280,11 +281,11 @@ def _keep_course(options: list[tuple], sources: Sequence[str], drafting: bool, s
     or stops the model's drafts for less than SWITCH_GAIN over the best option that does not.
     Where the batch learns by looking back (`start`: a round's price at each request's floor,
     `Adaptive.floor`), a start is priced at the floors, with no margin beyond them, and a stop
-    needs none either: a course
-    that starts only on evidence does not flip back on noise, and its look-backs keep the
-    draft model's cache near the answer's end, so a restart costs no catch-up. With the
-    margin, a batch that had started on a lucky opening drafted on at 0.55-0.6 where
-    drafting paid from 0.62 (4 clients after 1,000 tokens, 0.93x the target alone).
+    needs none either: a course that starts only on evidence does not flip back on noise,
+    and its look-backs keep the draft model's cache near the answer's end, so a restart costs
+    no catch-up. With the margin, a batch that had started on a lucky opening drafted on at
+    0.55-0.6 where drafting paid from 0.62 (4 clients after 1,000 tokens, 0.93x the target
+    alone).
     Where drafting and the target alone price within noise of each other, the choice flipped
     round by round, and every return to drafting first fed the draft model all it had missed:
     adaptive drafted a mean K of 0.47 at 4 clients and ran at 0.81x the target alone, which

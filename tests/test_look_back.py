@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from fixed_costs import gguf_costs
 
-from specrt.runtime import Scheduler, SpeculativeRuntime, joint
+from specrt.runtime import Scheduler, SpeculativeRuntime
 from specrt.runtime.controller import Adaptive
 from specrt.runtime.costs import StepCosts
 from specrt.runtime.drafters import SINKS, ModelDrafter
@@ -162,30 +162,6 @@ def test_a_start_is_priced_at_the_floor_of_what_was_judged(monkeypatch):
     assert ks() == [0] * 4
     monkeypatch.setattr(Adaptive, "floor", lambda self, source="model": self.alpha(source))
     assert ks() == [1] * 4
-
-
-def test_a_batch_drafting_stops_only_where_the_target_alone_prices_as_well(monkeypatch):
-    """The same 4 clients, their look-backs 11 of 16 kept each (estimates 0.69, floors 0.62):
-    drafting prices 1.5 % above the target alone. Waiting, they do not start (at the floors it
-    does not pay); drafting, they draft on. Control: stopped by `_best`'s rule (the fewest
-    drafts within K_MARGIN of the best), a batch that started only on evidence stopped on a
-    price 3 % in drafting's favour, and waited for its next look-back to start again (4
-    clients after 4,000 tokens of a summary, stopped two rounds after their start and idle
-    for 33)."""
-    costs = StepCosts(draft={1: 0.020, 4: 0.040, 8: 0.050}, verify={4: 0.153, 8: 0.205})
-
-    def ks(drafting: bool) -> list[int]:
-        batch = [Adaptive(costs=costs, pool=PooledAcceptance()) for _ in range(4)]
-        for policy in batch:
-            policy.looked_back(11, 16)
-            policy.last_k = 1 if drafting else 0
-        contexts = [RoundContext(8, 1100, 100, lag=1, can_look=True)] * 4
-        return [d.k for d in decide_together(batch, contexts, costs)]
-
-    assert ks(drafting=False) == [0] * 4
-    assert ks(drafting=True) == [1] * 4
-    monkeypatch.setattr(joint, "_keep_course", lambda options, *_: joint._best(options))
-    assert ks(drafting=True) == [0] * 4
 
 
 def test_a_batch_at_k0_looks_back_at_a_share_of_its_wait():

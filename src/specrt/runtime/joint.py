@@ -281,12 +281,11 @@ def _keep_course(options: list[tuple], sources: Sequence[str], drafting: bool, s
     or stops the model's drafts for less than SWITCH_GAIN over the best option that does not.
     Where the batch learns by looking back (`start`: a round's price at each request's floor,
     `Adaptive.floor`), a start is priced at the floors, with no margin beyond them, and a stop
-    needs none either, nor `_best`'s tie-break: the target alone stops it where it prices at
-    least as well as drafting on. With the margin, a batch that had started on a lucky
-    opening drafted on at 0.55-0.6 where drafting paid from 0.62 (4 clients after 1,000
-    tokens, 0.93x the target alone); with the tie-break (the fewest drafts within K_MARGIN),
-    4 clients after 4,000 tokens of a summary stopped two rounds after their start on a price
-    3 % in drafting's favour, and sat idle 33 rounds until a look-back started them again.
+    needs none either: a course that starts only on evidence does not flip back on noise,
+    and its look-backs keep the draft model's cache near the answer's end, so a restart costs
+    no catch-up. With the margin, a batch that had started on a lucky opening drafted on at
+    0.55-0.6 where drafting paid from 0.62 (4 clients after 1,000 tokens, 0.93x the target
+    alone).
     Where drafting and the target alone price within noise of each other, the choice flipped
     round by round, and every return to drafting first fed the draft model all it had missed:
     adaptive drafted a mean K of 0.47 at 4 clients and ran at 0.81x the target alone, which
@@ -302,7 +301,7 @@ def _keep_course(options: list[tuple], sources: Sequence[str], drafting: bool, s
     if start is None:
         switch = chosen[0] > SWITCH_GAIN * stay[0]
     else:
-        switch = chosen[0] >= stay[0] if drafting else start(chosen[3])[0] > stay[0]
+        switch = drafting or start(chosen[3])[0] > stay[0]
     return chosen if switch else stay
 
 

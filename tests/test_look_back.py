@@ -141,27 +141,6 @@ def test_after_a_long_prompt_a_batch_looks_back_before_it_drafts():
         assert not decision.look_back and "look back" not in decision.reason
 
 
-def test_a_batch_looks_back_only_where_drafting_is_dear():
-    """4 clients after 4,000 tokens (a round at K = 1 1.3x one at K = 0: the 8-row call 0.350
-    s, the 4-row 0.300, a draft step 0.040): drafting pays from acceptance 0.3, so the batch
-    learns by drafting (one request drafts, the others wait for it), where judged drafts cost
-    little. Control: after 1,000 tokens (1.6x, drafting pays from 0.6) they wait to look
-    back."""
-
-    def decided(verify: dict[int, float]) -> list:
-        costs = StepCosts(draft={1: 0.020, 4: 0.040, 8: 0.050}, verify=verify)
-        batch = [Adaptive(costs=costs, pool=PooledAcceptance()) for _ in range(4)]
-        ctx = RoundContext(8, 4100, 100, lag=2, unjudged=4, can_look=True)
-        return decide_together(batch, [ctx] * 4, costs)
-
-    cheap = decided({4: 0.300, 8: 0.350})
-    assert sorted(d.k for d in cheap)[-1] >= 1 and "learning" in " ".join(d.reason for d in cheap)
-    assert not any("look back" in d.reason for d in cheap)
-    dear = decided({4: 0.153, 8: 0.205})
-    assert [d.k for d in dear] == [0] * 4
-    assert all("waiting to look back" in d.reason for d in dear)
-
-
 def test_a_start_is_priced_at_the_floor_of_what_was_judged(monkeypatch):
     """4 clients after 1,000 tokens (AMX Xeon: the 4-row call 0.153 s, the 8-row 0.205): a
     round at K = 1 pays from acceptance 0.62; their runtime's earlier drafts kept 0.4 and

@@ -31,7 +31,6 @@ from specrt.runtime.policy import Decision, RoundContext
 from specrt.runtime.pool import PooledAcceptance, fade_in
 
 DOUBT_Z, DOUBT_AFTER = 1.0, 4.0  # own drafts bound acceptance (84 %, Wilson) once 4 are judged
-LOOK_ABOVE = 0.5  # a batch learns by looking back where drafting pays only above this
 
 
 class Fixed:
@@ -177,23 +176,8 @@ class Adaptive:
         probe widens one row, a request drafts to learn: looking back alone after 1,000 tokens,
         a summary's first 16 tokens kept 4 of the draft's guesses where its answer kept 0.5,
         and at LOOK_SHARE of its wait it looked back no more, at K = 0 where fixed K = 1 ran
-        1.07x the target alone (0.92-0.95x). And only where drafting is dear (`dear`)."""
-        after = ctx.can_look and ctx.position > self.long_context and not self.k_min
-        return batch > 1 and after and self.dear(batch)
-
-    def dear(self, batch: int) -> bool:
-        """Whether a round at K = 1 pays only above LOOK_ABOVE acceptance for this batch (its
-        verify call at two tokens a row and a draft step, over the call at one): there a
-        learner's or a probe's drafts cost more than a typical draft returns, and a batch learns
-        by looking back. Where drafting pays from less, it learns by drafting, which judges a
-        draft a round for little: 4 clients after 4,000 tokens (a round at K = 1 1.3-1.4x one
-        at K = 0), looking back drafted no more after their openings' look-backs and kept
-        stops, at K = 0 where fixed K = 1 ran 1.10x the target alone (0.89x it); after 1,000
-        tokens (1.6x), learning by drafting cost them 3-6 % where the target alone was best."""
-        if not self.costs.ready_for("model"):
-            return False  # not priced yet: its warm-up drafts (joint.py's WARM_UP_K)
-        wide = self.costs.verify_cost(2 * batch) + self.costs.draft_cost("model", 1, batch)
-        return wide > (1 + LOOK_ABOVE) * self.costs.verify_cost(batch)
+        1.07x the target alone (0.92-0.95x)."""
+        return batch > 1 and ctx.can_look and ctx.position > self.long_context and not self.k_min
 
     def looks_first(self, ctx: RoundContext, batch: int) -> bool:
         """Whether it looks back before it drafts: it can, and its own drafts are unknown."""

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from fixed_costs import gguf_costs
 
-from specrt.runtime import Scheduler, SpeculativeRuntime
+from specrt.runtime import Scheduler, SpeculativeRuntime, joint
 from specrt.runtime.controller import Adaptive
 from specrt.runtime.costs import StepCosts
 from specrt.runtime.drafters import SINKS, ModelDrafter
@@ -216,3 +216,50 @@ def test_a_wide_call_not_timed_at_this_context_is_priced_with_calibrations_diffe
 def _narrower_alone(self, rows: int, own: float, here: dict[int, float]) -> float:
     """The guess before: calibration scaled by the drift, or the dearest narrower count."""
     return max([own, *(seconds for n, seconds in here.items() if n < rows)])
+
+
+def test_a_batch_looks_back_at_the_request_judged_longest_ago(monkeypatch):
+    """The 4 clients at K = 0: one request looked back 20 rounds after the others last did,
+    so its look-back would judge fewer tokens and cost least. The batch looks back at one of
+    the other three, whose counts are oldest. Control: the cheapest look-back (the rule
+    before) went to the same request again and again (after 4,000 tokens of a question, the
+    other three were never judged past their answers' openings)."""
+    costs = StepCosts(draft={1: 0.020, 16: 0.045, 33: 0.070}, verify={4: 0.153, 8: 0.205})
+    at = int(np.ceil(costs.draft_cost("model", 1, 32) / (LOOK_SHARE * 0.153)))
+
+    def looker() -> int:
+        pool = PooledAcceptance()
+        batch = [Adaptive(costs=costs, pool=pool) for _ in range(4)]
+        for policy in batch:
+            policy.looked_back(9, 16)
+            policy.idle = at + 20
+        batch[0].idle = at
+        contexts = [RoundContext(8, 1100, 100, lag=31, unjudged=31, can_look=True)] * 4
+        contexts[0] = RoundContext(8, 1100, 100, lag=21, unjudged=20, can_look=True)
+        decisions = decide_together(batch, contexts, costs)
+        (i,) = [i for i, d in enumerate(decisions) if d.look_back]
+        return i
+
+    assert looker() == 1
+    cheapest = lambda policies, shares, looks: min(shares, key=shares.get)  # noqa: E731
+    monkeypatch.setattr(joint, "_chosen", cheapest)
+    assert looker() == 0
+
+
+def test_a_batch_whose_runtime_knows_the_draft_is_priced_without_looking_first():
+    """4 new requests after 1,000 tokens (a round at K = 1 pays from acceptance 0.62), their
+    own drafts unknown, where their runtime's other requests kept 0.8 of their drafts: they
+    draft at once, priced from that; where those kept 0.4, they wait at K = 0, neither looking
+    back nor drafting. Control: a runtime that has not judged any draft looks back first."""
+    costs = StepCosts(draft={1: 0.020, 4: 0.040, 8: 0.050}, verify={4: 0.153, 8: 0.205})
+
+    def decided(kept: int, judged: int) -> list:
+        pool = PooledAcceptance()
+        pool.observe("model", kept, judged - kept, pool.member())
+        batch = [Adaptive(costs=costs, pool=pool) for _ in range(4)]
+        ctx = RoundContext(8, 1100, 100, lag=40, unjudged=LOOK_BACK_AT, can_look=True)
+        return decide_together(batch, [ctx] * 4, costs)
+
+    assert all(d.k >= 1 and not d.look_back for d in decided(80, 100))
+    assert all(d.k == 0 and not d.look_back for d in decided(40, 100))
+    assert all(d.look_back for d in decided(0, 0))

@@ -240,8 +240,8 @@ def _probed(policies, contexts, caps, reasons, costs: StepCosts, others, chosen)
         return decisions
     call = (price, batch, max(ks), price * waited)
     shares = _shares(policies, contexts, waiting, looks, costs, call)
-    i = min(shares, key=shares.get, default=None)
-    if i is None or shares[i] > 1:
+    i = _chosen(policies, shares, looks)
+    if i is None:
         return decisions
     if looks[i]:
         why = f"{reasons[i]}; looking back at {contexts[i].unjudged} tokens after {waited} rounds"
@@ -251,6 +251,21 @@ def _probed(policies, contexts, caps, reasons, costs: StepCosts, others, chosen)
         why = f"{reasons[i]}; probing acceptance after {waited} rounds without drafts"
         decisions[i] = Decision(1, why)
     return decisions
+
+
+def _chosen(policies, shares: dict[int, float], looks) -> int | None:
+    """Which waiting request probes or looks back, if its share allows (`_shares`): the
+    request whose probe costs least, or, where the batch looks back, the one whose own
+    guesses were judged longest ago. A look-back costs more the more tokens it judges, so the
+    cheapest was always the request that had looked last: after 4,000 tokens of a question,
+    4 clients looked back at one request's answer three times and never again at the other
+    three, whose counts still held their answers' openings (0.29-0.38 kept, where the answers
+    went on to keep 0.5-0.6), and the batch never started again (0.89x fixed K = 1,
+    replayed 0.93x)."""
+    if not shares:
+        return None
+    i = max(shares, key=lambda i: (looks[i] and policies[i].idle, -shares[i]))
+    return i if shares[i] <= 1 else None
 
 
 def _shares(policies, contexts, waiting, looks, costs: StepCosts, call) -> dict[int, float]:

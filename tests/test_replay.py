@@ -168,3 +168,56 @@ def test_a_losing_request_stops_within_rounds_and_drafts_again_once_drafts_pay(c
         assert again <= 150 + PROBE_AFTER_ALONE + 2
     best = max(run(f"fixed:{k}").tokens_per_s for k in range(9))
     assert adaptive.tokens_per_s >= 0.97 * best
+
+
+# Answers after long prompts (the default pair, AMX Xeon; `benchmarks/long_context.py`'s
+# prompts, the draft reading each prompt's scout as the loop does), 4 at a time: the benchmark's
+# 4 clients after 4,000 tokens of a question and of a summary, 1,000 of system prompt and 8,000
+# of a summary, then 8 more answers each of a question, a summary and a system prompt after
+# 1,000 tokens (cuts 4-11 of the source).
+LONG = Path(__file__).parent / "data" / "acceptance-long-prompts.json"
+DRAFT = {1: 0.023, 2: 0.033, 4: 0.048, 8: 0.059, 16: 0.077, 32: 0.106, 64: 0.19, 128: 0.36}
+AFTER = {  # the 4-client verify curves measured after that many tokens
+    1000: {1: 0.154, 2: 0.169, 3: 0.187, 4: 0.2, 8: 0.267, 12: 0.31, 16: 0.359, 36: 0.666},
+    4000: {1: 0.30, 2: 0.33, 3: 0.36, 4: 0.40, 8: 0.50, 12: 0.58, 16: 0.66, 36: 1.0},
+    8000: {1: 0.628, 2: 0.646, 3: 0.667, 4: 0.676, 8: 0.851, 12: 0.92, 16: 0.998, 36: 1.355},
+}
+
+
+def _long_prompt_batches() -> list[tuple[list, int]]:
+    """(4 traces, the tokens whose curve prices them): the benchmark's at their own, the
+    others at each."""
+    traces = replay.load(LONG)
+    recorded = zip((0, 4, 8, 12), (4000, 4000, 1000, 8000), strict=True)
+    batches = [(traces[i : i + 4], n) for i, n in recorded]
+    batches += [(traces[i : i + 4], n) for i in range(16, 40, 4) for n in AFTER]
+    return batches
+
+
+def _warm_turns(traces, after: int) -> list[float]:
+    """Adaptive against the best fixed K (0-2) in a batch's second and third turns, its
+    runtime's pool kept from turn to turn as the benchmark and a server keep it."""
+    costs = FixedCosts(draft=DRAFT, verify=AFTER[after])
+    best = max(replay.replay(traces, f"fixed:{k}", 4, costs).tokens_per_s for k in range(3))
+    pool = PooledAcceptance()
+    turns = [replay.replay(traces, "adaptive", 4, costs, pool=pool) for _ in range(3)]
+    return [turn.tokens_per_s / best for turn in turns[1:]]
+
+
+def test_after_long_prompts_a_warm_batch_is_priced_without_looking_first(monkeypatch):
+    """22 batches of 4 after long prompts, each answered three times on its runtime: once its
+    pool knows the draft, a batch is priced from it where each request looked back first
+    before, which cost its first look-backs (~0.1 s a request) where the target alone was best
+    and 16 rounds at K = 0 where drafting paid at once. Its second and third turns run at
+    0.98x the best fixed K on average, at least 0.90x each. Control: looking back first
+    whatever the pool knows, the mean is under 0.97x."""
+    ratios = [r for traces, after in _long_prompt_batches() for r in _warm_turns(traces, after)]
+    assert sum(ratios) / len(ratios) >= 0.98 and min(ratios) >= 0.90
+    monkeypatch.setattr(Adaptive, "looks_first", _looks_first_always)
+    ratios = [r for traces, after in _long_prompt_batches() for r in _warm_turns(traces, after)]
+    assert sum(ratios) / len(ratios) < 0.97
+
+
+def _looks_first_always(self, ctx, batch: int) -> bool:
+    """The rule before: whatever the pool knows, a request whose own drafts are unknown."""
+    return self.can_look_back(ctx, batch) and sum(self.counts.get(ctx.source, ())) < 4

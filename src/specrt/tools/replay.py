@@ -37,7 +37,7 @@ from specrt.errors import SpecrtError
 from specrt.files import write_json_atomic
 from specrt.runtime.controller import make_controller
 from specrt.runtime.costs import StepCosts
-from specrt.runtime.drafters import LOOK_BACK, SCOUT, SCOUT_FROM
+from specrt.runtime.drafters import LOOK_BACK, SCOUT, SCOUT_FROM, SINKS
 from specrt.runtime.drafting import draft_seconds
 from specrt.runtime.joint import decide_round
 from specrt.runtime.policy import RoundContext
@@ -77,8 +77,11 @@ def record(runtime, prompts: Sequence, max_new_tokens: int) -> list[Trace]:
 
 
 def _trace(draft, ids: list[int], answer: list[int], vocab: int) -> Trace:
+    """The draft model reads the prompt as the loop's does (a long prompt as its scout: its
+    sinks and last tokens, `ModelDrafter.start`), then the answer."""
+    read = [*ids[:SINKS], *ids[SINKS - SCOUT :]] if len(ids) > SCOUT_FROM else ids
     draft.reset(0)
-    logits = draft.forward_rows([(0, [*ids, *answer[:-1]])], last=len(answer))[0]
+    logits = draft.forward_rows([(0, [*read, *answer[:-1]])], last=len(answer))[0]
     draft.reset(0)
     logits = logits[:, : min(vocab, draft.vocab_size)].astype(np.float64)
     top = logits.max(axis=1, keepdims=True)

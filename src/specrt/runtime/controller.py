@@ -186,8 +186,8 @@ class Adaptive:
         `floor`): looking back first whatever the pool knew, every batch paid its requests'
         first look-backs, ~0.1 s each, where after 1,000 tokens the target alone was best (3 %
         of a turn), and after 4,000 and 8,000 waited at K = 0 for the 16 tokens they judge
-        where drafting paid from the first round (replayed on 34 batches of 4: the second and
-        third turns 0.966x the best fixed K on average, 30 of 44 below 0.97x; now 0.987x, 6)."""
+        where drafting paid from the first round (22 batches of 4 replayed: their second and
+        third turns 0.963x the best fixed K on average, 32 of 44 below 0.97x; now 0.983x, 8)."""
         judged = sum(self.counts.get(ctx.source, ()))
         known = self.pool is not None and self.pool.warm(ctx.source, self.member)
         return judged < DOUBT_AFTER and not known and self.can_look_back(ctx, batch)

@@ -260,8 +260,7 @@ def _chosen(policies, shares: dict[int, float], looks) -> int | None:
     cheapest was always the request that had looked last: after 4,000 tokens of a question,
     4 clients looked back at one request's answer three times and never again at the other
     three, whose counts still held their answers' openings (0.29-0.38 kept, where the answers
-    went on to keep 0.5-0.6), and the batch never started again (0.89x fixed K = 1,
-    replayed 0.93x)."""
+    went on to keep 0.5-0.6), and the batch never started again (0.89x fixed K = 1)."""
     if not shares:
         return None
     i = max(shares, key=lambda i: (looks[i] and policies[i].idle, -shares[i]))

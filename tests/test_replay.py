@@ -12,7 +12,7 @@ from fixed_costs import FixedCosts, flat_costs, gguf_costs
 
 from specrt.errors import SpecrtError
 from specrt.runtime import SpeculativeRuntime, joint
-from specrt.runtime.controller import Adaptive
+from specrt.runtime.controller import DOUBT_AFTER, Adaptive
 from specrt.runtime.joint import PROBE_AFTER_ALONE
 from specrt.runtime.pool import PooledAcceptance
 from specrt.tools import replay
@@ -220,4 +220,4 @@ def test_after_long_prompts_a_warm_batch_is_priced_without_looking_first(monkeyp
 
 def _looks_first_always(self, ctx, batch: int) -> bool:
     """The rule before: whatever the pool knows, a request whose own drafts are unknown."""
-    return self.can_look_back(ctx, batch) and sum(self.counts.get(ctx.source, ())) < 4
+    return self.can_look_back(ctx, batch) and sum(self.counts.get(ctx.source, ())) < DOUBT_AFTER

@@ -156,9 +156,13 @@ class Adaptive:
 
     def _pooled(self, source: str) -> float:
         """Its runtime's pool's acceptance, its own drafts aside (the prior until warm)."""
-        if self.pool is not None and self.pool.warm(source, self.member):
+        if self._pool_knows(source):
             return self.pool.alpha(source, self.member)
         return self.prior_alpha
+
+    def _pool_knows(self, source: str) -> bool:
+        """Whether its runtime's pool has judged enough of this source's drafts, its own aside."""
+        return self.pool is not None and self.pool.warm(source, self.member)
 
     def hopeful(self, source: str = "model") -> float:
         """What an accepted probe shows of this request, where joint.py's `_probed` asks
@@ -189,8 +193,8 @@ class Adaptive:
         where drafting paid from the first round (22 batches of 4 replayed: their second and
         third turns 0.963x the best fixed K on average, 32 of 44 below 0.97x; now 0.983x, 8)."""
         judged = sum(self.counts.get(ctx.source, ()))
-        known = self.pool is not None and self.pool.warm(ctx.source, self.member)
-        return judged < DOUBT_AFTER and not known and self.can_look_back(ctx, batch)
+        fresh = judged < DOUBT_AFTER and self.can_look_back(ctx, batch)
+        return fresh and not self._pool_knows(ctx.source)
 
     def learning(self, source: str) -> bool:
         """Whether its runtime's pool has yet to learn this source's acceptance, from any

@@ -148,9 +148,7 @@ class ModelDrafter:
         0.75-0.83x). A policy that does not draft at that offer declines it for good."""
         self.slot, self.kept, self.drafted_after, self.offered = slot, 0, None, None
         self.prompt = len(prompt)
-        self.wide_skip = max(0, len(prompt) - self.window) if self.window else 0
-        scout = self.scout and len(prompt) - self.wide_skip > SCOUT_FROM
-        self.skip = len(prompt) - SCOUT if scout else self.wide_skip
+        self.wide_skip, self.skip = prompt_skips(len(prompt), self.window, self.scout)
         take_slot(self.engine, slot, self.unread(prompt, 0), cache)
 
     def unread(self, seq: Sequence[int], held: int | None = None, skip: int | None = None):
@@ -341,6 +339,15 @@ class ConstrainedDrafter:
     def rollback(self, length: int) -> None:
         if self.inner is not None:
             self.inner.rollback(length)
+
+
+def prompt_skips(prompt: int, window: int | None, scout: bool = True) -> tuple[int, int]:
+    """The tokens of a `prompt`-token prompt past its sinks that a draft model reading `window`
+    of it skips: for its window, and for its first read (its scout, where it scouts a long
+    prompt; see `ModelDrafter.start`)."""
+    wide = max(0, prompt - window) if window else 0
+    scouted = scout and prompt - wide > SCOUT_FROM
+    return wide, (prompt - SCOUT if scouted else wide)
 
 
 def make_drafter(

@@ -18,8 +18,9 @@ a look-back judges the recorded agreement at the tokens it reads, in a draft cal
 What it leaves out: prefill, host work between calls, the clock's noise, the curves'
 refinement by the rounds (the policy sees the true curve), the draft's window (it reads the
 scout throughout) and what it guesses after it skipped tokens (it guesses as if it had read
-them); the benchmarks measure those. After 4,000 tokens at 4 clients, replayed on the costs
-the benchmark's runs measured, the grid's cells came within 0.01-0.04 of their measured ratios
+them); the benchmarks measure those. On the policy before 9688d3f, after 4,000 tokens at 4
+clients and replayed on the costs the benchmark's runs measured, the grid's cells came within
+0.01-0.04 of their measured ratios
 (a question 0.93x fixed K = 1 replayed, 0.89x measured; a summary 0.95x, 0.95x; after 1,000
 tokens of system prompt 0.96x, 0.96x).
 """
@@ -37,7 +38,7 @@ from specrt.errors import SpecrtError
 from specrt.files import write_json_atomic
 from specrt.runtime.controller import make_controller
 from specrt.runtime.costs import StepCosts
-from specrt.runtime.drafters import LOOK_BACK, SCOUT, SCOUT_FROM, SINKS
+from specrt.runtime.drafters import DRAFT_WINDOW, LOOK_BACK, ModelDrafter, prompt_skips
 from specrt.runtime.drafting import draft_seconds
 from specrt.runtime.joint import decide_round
 from specrt.runtime.policy import RoundContext
@@ -79,9 +80,11 @@ def record(runtime, prompts: Sequence, max_new_tokens: int) -> list[Trace]:
 def _trace(draft, ids: list[int], answer: list[int], vocab: int) -> Trace:
     """The draft model reads the prompt as the loop's does (a long prompt as its scout: its
     sinks and last tokens, `ModelDrafter.start`), then the answer."""
-    read = [*ids[:SINKS], *ids[SINKS - SCOUT :]] if len(ids) > SCOUT_FROM else ids
+    drafter = ModelDrafter(draft, window=DRAFT_WINDOW)
+    drafter.start(ids, 0, None)
+    read = drafter.unread([*ids, *answer[:-1]], 0)
     draft.reset(0)
-    logits = draft.forward_rows([(0, [*read, *answer[:-1]])], last=len(answer))[0]
+    logits = draft.forward_rows([(0, read)], last=len(answer))[0]
     draft.reset(0)
     logits = logits[:, : min(vocab, draft.vocab_size)].astype(np.float64)
     top = logits.max(axis=1, keepdims=True)
@@ -143,9 +146,9 @@ class _Request:
     looks: list[tuple[int, int]] = field(default_factory=list)  # each look-back's (kept, judged)
 
     def __post_init__(self):
-        # at first the prompt and prefill's token: a long prompt's scout (ModelDrafter.start)
+        # at first what it reads of the prompt (ModelDrafter.start), and prefill's token
         prompt = self.trace.prompt_tokens
-        self.lag = (SCOUT if prompt > SCOUT_FROM else prompt) + 1
+        self.lag = prompt - prompt_skips(prompt, DRAFT_WINDOW)[1] + 1
 
     @property
     def room(self) -> int:

@@ -235,7 +235,7 @@ def test_a_batch_looks_back_at_the_request_judged_longest_ago(monkeypatch):
             policy.idle = at + 20
         batch[0].idle = at
         contexts = [RoundContext(8, 1100, 100, lag=31, unjudged=31, can_look=True)] * 4
-        contexts[0] = RoundContext(8, 1100, 100, lag=21, unjudged=20, can_look=True)
+        contexts[0] = RoundContext(8, 1100, 100, lag=25, unjudged=LOOK_BACK_AT, can_look=True)
         decisions = decide_together(batch, contexts, costs)
         (i,) = [i for i, d in enumerate(decisions) if d.look_back]
         return i

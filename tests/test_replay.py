@@ -13,7 +13,7 @@ from fixed_costs import FixedCosts, flat_costs, gguf_costs
 from specrt.errors import SpecrtError
 from specrt.runtime import SpeculativeRuntime, joint
 from specrt.runtime.controller import DOUBT_AFTER, Adaptive
-from specrt.runtime.joint import PROBE_AFTER_ALONE
+from specrt.runtime.joint import LOOK_BACK_AT, PROBE_AFTER_ALONE
 from specrt.runtime.pool import PooledAcceptance
 from specrt.tools import replay
 
@@ -86,15 +86,17 @@ def test_a_file_that_is_not_a_trace_says_so(tmp_path):
 
 
 def test_a_replayed_batch_after_a_long_prompt_looks_back_as_the_loop_does():
-    """Two requests after 2,000 tokens: each waits at K = 0 until 16 emitted tokens can be
-    judged, then looks back (a draft call over its scout and those tokens) and counts the
-    draft's agreement there as judged guesses, as the loop's look-back does; kept 12 of 16
-    on a flat curve, the batch then drafts. Control: a request alone learns by drafting."""
-    agrees = [i % 4 != 3 for i in range(16)] + [True] * 48
+    """Two requests after 2,000 tokens: each waits at K = 0 until LOOK_BACK_AT (24) emitted
+    tokens can be judged, then looks back (a draft call over its scout and those tokens) and
+    counts the draft's agreement there as judged guesses, as the loop's look-back does; kept
+    18 of 24 on a flat curve, the batch then drafts. Control: a request alone learns by
+    drafting."""
+    agrees = [i % 4 != 3 for i in range(LOOK_BACK_AT)] + [True] * 48
     trace = replay.Trace(2000, agrees, [1.0] * len(agrees))
     batch = replay.replay([trace, trace], "adaptive", 2, flat_costs())
     for ks, looks in zip(batch.ks, batch.looks, strict=True):
-        assert ks[:16] == [0] * 16 and looks[0] == (12, 16) and any(ks[16:])
+        assert ks[:LOOK_BACK_AT] == [0] * LOOK_BACK_AT and any(ks[LOOK_BACK_AT:])
+        assert looks[0] == (LOOK_BACK_AT * 3 // 4, LOOK_BACK_AT)
     alone = replay.replay([trace], "adaptive", 1, flat_costs())
     assert alone.looks == [[]] and alone.ks[0][0] > 0
 

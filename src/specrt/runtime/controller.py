@@ -28,9 +28,7 @@ from specrt.errors import SpecrtError
 from specrt.runtime.costs import StepCosts
 from specrt.runtime.joint import decide_together
 from specrt.runtime.policy import Decision, RoundContext
-from specrt.runtime.pool import PooledAcceptance, fade_in
-
-DOUBT_Z, DOUBT_AFTER = 1.0, 4.0  # own drafts bound acceptance (84 %, Wilson) once 4 are judged
+from specrt.runtime.pool import DOUBT_AFTER, PooledAcceptance, fade_in, wilson
 
 
 class Fixed:
@@ -123,7 +121,7 @@ class Adaptive:
         one-sided 84 % Wilson bound, once DOUBT_AFTER were judged (1 before). Five drafts
         rejected in a row bound it near 0.2; a lucky streak never raises the estimate (the
         pool's share holds it down)."""
-        return _wilson(self.counts.get(source, (0.0, 0.0)), 1.0)
+        return wilson(self.counts.get(source, (0.0, 0.0)), 1.0)
 
     def floor(self, source: str = "model") -> float:
         """The lowest acceptance its own drafts make plausible: their one-sided 84 % Wilson
@@ -137,8 +135,8 @@ class Adaptive:
         alone (at 0.5, 0.37) and asked 5 % more, 4 clients after 4,000 tokens of a summary
         that kept 0.51, where drafting paid from ~0.40, never drafted (0.91x fixed K = 1)."""
         pooled = self.pool.counts.get(source) if self.pool is not None else None
-        own = _wilson(self.counts.get(source, (0.0, 0.0)), -1.0)
-        return min(self.alpha(source), max(own, _wilson(pooled or (0.0, 0.0), -1.0)))
+        own = wilson(self.counts.get(source, (0.0, 0.0)), -1.0)
+        return min(self.alpha(source), max(own, wilson(pooled or (0.0, 0.0), -1.0)))
 
     def _base(self, source: str) -> float:
         """What the recent drafts are shrunk toward: the request's own long run (its last ~100
@@ -249,18 +247,6 @@ class Adaptive:
         fade_in(self.record.setdefault(source, [0.0, 0.0]), self.history, accepted, rejected)
         if self.pool is not None:
             self.pool.observe(source, accepted, rejected, self.member)
-
-
-def _wilson(counts, side: float) -> float:
-    """The one-sided DOUBT_Z Wilson bound of [accepted, rejected] counts' acceptance, upper
-    (side 1) or lower (-1); before DOUBT_AFTER were judged, 1 or 0."""
-    accepted, rejected = counts
-    n = accepted + rejected
-    if n < DOUBT_AFTER:
-        return max(side, 0.0)
-    p, z2 = accepted / n, DOUBT_Z**2
-    spread = DOUBT_Z * np.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
-    return float(np.clip((p + z2 / (2 * n) + side * spread) / (1 + z2 / n), 0.0, 1.0))
 
 
 def make_controller(

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from specrt.runtime.costs import STALE_AFTER, StepCosts
 from specrt.runtime.policy import Decision, Policy, RoundContext
+from specrt.runtime.pool import wilson
 from specrt.runtime.pricing import ROUND_LAG, price_round, verify_rows
 
 if TYPE_CHECKING:
@@ -29,7 +30,7 @@ K_MARGIN = 0.03  # options priced within this share of the best are equal: the f
 REFRESH_MARGIN = 1.15  # a stale call (costs.STALE_AFTER) is re-timed if it prices this close
 REFRESH_ALWAYS = 64  # ...and once this many rounds old, however far it prices (see `_refresh`)
 WARM_UP_K = 4  # drafts a round takes while a source cannot be priced yet
-LOOK_BACK_AT = 16  # emitted tokens a look-back waits for (an opening alone flatters the draft)
+LOOK_BACK_AT = 24  # emitted tokens a look-back waits for (an opening misleads, `_first_looks`)
 ALPHA_TOP = 0.999  # acceptance is priced at most this (expected_tokens divides by 1 - alpha)
 
 
@@ -168,13 +169,13 @@ def _priced(policies, contexts, capped, costs: StepCosts, others) -> list[Decisi
         for p, c in zip(policies, contexts, strict=True)
         if c.source == "model"
     )
-    start = None
+    bounds = None
     if all(p.can_look_back(c, batch) for p, c in zip(policies, contexts, strict=True)):
-        floors = [min(p.floor(s), ALPHA_TOP) for p, s in zip(policies, sources, strict=True)]
-        start = functools.partial(
-            price_round, alphas=floors, sources=sources, lags=lags, others=others, costs=costs
+        price = functools.partial(
+            price_round, sources=sources, lags=lags, others=others, costs=costs
         )
-    chosen = _keep_course(options, sources, drafting, start)
+        bounds = _bounds(policies, sources, alphas, price)
+    chosen = _keep_course(options, sources, drafting, bounds)
     refresh = _refresh(options, chosen, sources, others, costs)
     rate, draft, verify, ks = refresh or chosen
     base = costs.verify_cost(batch)  # the batch's call at K = 0
@@ -290,7 +291,23 @@ def _shares(policies, contexts, waiting, looks, costs: StepCosts, call) -> dict[
     return shares
 
 
-def _keep_course(options: list[tuple], sources: Sequence[str], drafting: bool, start=None):
+def _bounds(policies, sources, alphas, price) -> tuple:
+    """(start, hold): `price` (a round's, by its K) with each request at its floor
+    (`Adaptive.floor`), and with each at its estimate raised by how far its batch's judged
+    drafts, counted together, leave their acceptance in doubt (their upper DOUBT_Z Wilson
+    bound less their mean; before any was judged, to ALPHA_TOP). Together: a batch drafts as
+    one, and every request at its own bound at once is far less likely than their bound
+    together (4 requests, 10 judged drafts each at 0.3: each 0.18-0.46, together 0.23-0.38)."""
+    floors = [min(p.floor(s), ALPHA_TOP) for p, s in zip(policies, sources, strict=True)]
+    judged = [p.counts.get(s, (0.0, 0.0)) for p, s in zip(policies, sources, strict=True)]
+    together = (sum(a for a, _ in judged), sum(r for _, r in judged))
+    n = sum(together)
+    doubt = wilson(together, 1.0) - (together[0] / n if n else 0.0)
+    ceilings = [min(alpha + doubt, ALPHA_TOP) for alpha in alphas]
+    return functools.partial(price, alphas=floors), functools.partial(price, alphas=ceilings)
+
+
+def _keep_course(options: list[tuple], sources: Sequence[str], drafting: bool, bounds=None):
     """The best priced option (rate, draft, verify, ks; see `_best`), unless it starts
     or stops the model's drafts for less than SWITCH_GAIN over the best option that does not.
     Where the batch learns by looking back (`start`: a round's price at each request's floor,
@@ -312,10 +329,12 @@ def _keep_course(options: list[tuple], sources: Sequence[str], drafting: bool, s
     if _model_drafts(chosen, sources) == drafting or not same:
         return chosen
     stay = _best(same)
-    if start is None:
+    if bounds is None:
         switch = chosen[0] > SWITCH_GAIN * stay[0]
+    elif drafting:
+        switch = chosen[0] > bounds[1](stay[3])[0]
     else:
-        switch = drafting or start(chosen[3])[0] > stay[0]
+        switch = bounds[0](chosen[3])[0] > stay[0]
     return chosen if switch else stay
 
 

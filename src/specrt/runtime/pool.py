@@ -7,8 +7,11 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+import numpy as np
+
 POOL_WARM = 8.0  # drafts of a source a runtime judges (decayed) before it prices that source
 GONE = 0.01  # a request's share of the counts, faded below this, is forgotten
+DOUBT_Z, DOUBT_AFTER = 1.0, 4.0  # judged drafts bound acceptance (84 %, Wilson) once 4 are judged
 
 
 @dataclass
@@ -78,3 +81,15 @@ def fade_in(counts: list[float], decay: float, accepted: int, rejected: int) -> 
     fade = decay ** (accepted + rejected)
     counts[0] = fade * counts[0] + accepted
     counts[1] = fade * counts[1] + rejected
+
+
+def wilson(counts, side: float) -> float:
+    """The one-sided DOUBT_Z Wilson bound of [accepted, rejected] counts' acceptance, upper
+    (side 1) or lower (-1); before DOUBT_AFTER were judged, 1 or 0."""
+    accepted, rejected = counts
+    n = accepted + rejected
+    if n < DOUBT_AFTER:
+        return max(side, 0.0)
+    p, z2 = accepted / n, DOUBT_Z**2
+    spread = DOUBT_Z * np.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
+    return float(np.clip((p + z2 / (2 * n) + side * spread) / (1 + z2 / n), 0.0, 1.0))

@@ -7,6 +7,8 @@ Outputs never change: a look-back only feeds the draft model tokens the target e
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 from fixed_costs import gguf_costs
@@ -263,3 +265,36 @@ def test_a_batch_whose_runtime_knows_the_draft_is_priced_without_looking_first()
     assert all(d.k >= 1 and not d.look_back for d in decided(80, 100))
     assert all(d.k == 0 and not d.look_back for d in decided(40, 100))
     assert all(d.look_back for d in decided(0, 0))
+
+
+def test_a_batch_drafting_after_a_long_prompt_stops_where_its_ceiling_says_so(monkeypatch):
+    """4 clients after 4,000 tokens (the 4-row call 0.40 s, the 8-row 0.50, a draft step 0.048: a
+    round at K = 1 pays from acceptance 0.37), drafting at K = 1 from their runtime's 0.55, each
+    answer's opening keeping 1 of its first 5 drafts (estimates 0.31): the batch drafts on, its
+    drafts judged together (18, decayed, 0.18 kept) leaving 0.11 above each estimate plausible.
+    Once each kept 2 of 9 (30 together, 0.20: 0.08 above estimates of 0.27), it stops. Control:
+    stopped at the estimates, the batch stops at once, where a summary's opening (0.25 kept)
+    gave way to 0.5-0.6 and, stopped, it waited ~37 rounds for its next look-back (4 clients
+    after 4,000 tokens, 0.88-0.91x fixed K = 1)."""
+    costs = StepCosts(draft={1: 0.023, 4: 0.048, 8: 0.059}, verify={4: 0.40, 8: 0.50})
+
+    def k(kept: list[int]) -> int:
+        pool = PooledAcceptance()
+        pool.observe("model", 55, 45, pool.member())  # the runtime's earlier drafts
+        batch = [Adaptive(costs=costs, pool=pool) for _ in range(4)]
+        for accepted in kept:
+            for policy in batch:
+                policy.observe(1, accepted)
+        contexts = [RoundContext(8, 4100, 100, lag=2, can_look=True)] * 4
+        (k,) = {d.k for d in decide_together(batch, contexts, costs)}
+        return k
+
+    assert k([1, 0, 0, 0, 0]) == 1
+    assert k([1, 0, 0, 0, 1, 0, 0, 0, 0]) == 0
+    bounds = joint._bounds
+
+    def at_estimates(policies, sources, alphas, price):
+        return bounds(policies, sources, alphas, price)[0], functools.partial(price, alphas=alphas)
+
+    monkeypatch.setattr(joint, "_bounds", at_estimates)
+    assert k([1, 0, 0, 0, 0]) == 0

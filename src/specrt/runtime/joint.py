@@ -81,7 +81,13 @@ def _first_looks(policies, contexts, batch: int) -> dict[int, Decision]:
     batch after a long prompt, their own drafts unknown): at K = 0 until LOOK_BACK_AT emitted
     tokens can be judged, then looking back. Learnt by drafting, a batch of 4 after 1,000
     tokens paid ~10 rounds of a call twice as wide for one request's drafts (~1.5 s of a 20 s
-    turn where the target alone was best, 0.92x it)."""
+    turn where the target alone was best, 0.92x it). An answer's opening misleads: in 40
+    recorded answers after long prompts (tests/data/acceptance-long-prompts.json), the
+    draft's guesses at their first 32 tokens were kept 0.52 of the time and after them 0.62;
+    a system prompt's first 16 flatter (0.73, the next 16 0.54), a summary's or a question's
+    discourage (0.49, the next 16 0.46). Replayed on them, 22 batches of 4 (with the stop at
+    ceilings, `_keep_course`): looking first at 16 tokens, 15 first turns ran under 0.97x the
+    best fixed K; at 24, 12."""
     decisions = {}
     for i, (policy, ctx) in enumerate(zip(policies, contexts, strict=True)):
         if policy.looks_first(ctx, batch):
@@ -310,13 +316,16 @@ def _bounds(policies, sources, alphas, price) -> tuple:
 def _keep_course(options: list[tuple], sources: Sequence[str], drafting: bool, bounds=None):
     """The best priced option (rate, draft, verify, ks; see `_best`), unless it starts
     or stops the model's drafts for less than SWITCH_GAIN over the best option that does not.
-    Where the batch learns by looking back (`start`: a round's price at each request's floor,
-    `Adaptive.floor`), a start is priced at the floors, with no margin beyond them, and a stop
-    needs none either: a course that starts only on evidence does not flip back on noise,
-    and its look-backs keep the draft model's cache near the answer's end, so a restart costs
-    no catch-up. With the margin, a batch that had started on a lucky opening drafted on at
-    0.55-0.6 where drafting paid from 0.62 (4 clients after 1,000 tokens, 0.93x the target
-    alone).
+    Where the batch learns by looking back (`bounds`, see `_bounds`), a start is priced at the
+    requests' floors and a stop at their ceilings, with no margin beyond them: a course that
+    starts and stops only on evidence does not flip on noise. With the margin, a batch that
+    had started on a lucky opening drafted on at 0.55-0.6 where drafting paid from 0.62 (4
+    clients after 1,000 tokens, 0.93x the target alone). Stopped at the estimates instead
+    (with `_best`'s tie toward fewer drafts on top), 4 clients after 4,000 tokens of a summary
+    stopped within rounds of each answer's opening (0.25 kept), and a stopped batch learns
+    only by look-backs: the next came ~37 rounds later, where the rest kept 0.5-0.6 and
+    drafting paid from 0.37 (0.88-0.91x fixed K = 1 in three runs; traced, 0.99/0.90/0.89 a
+    turn, and 1.02/0.99/1.00 with the ceilings).
     Where drafting and the target alone price within noise of each other, the choice flipped
     round by round, and every return to drafting first fed the draft model all it had missed:
     adaptive drafted a mean K of 0.47 at 4 clients and ran at 0.81x the target alone, which

@@ -301,9 +301,10 @@ def _bounds(policies, sources, alphas, price) -> tuple:
     """(start, hold): `price` (a round's, by its K) with each request at its floor
     (`Adaptive.floor`), and with each at its estimate raised by how far its batch's judged
     drafts, counted together, leave their acceptance in doubt (their upper DOUBT_Z Wilson
-    bound less their mean; before any was judged, to ALPHA_TOP). Together: a batch drafts as
-    one, and every request at its own bound at once is far less likely than their bound
-    together (4 requests, 10 judged drafts each at 0.3: each 0.18-0.46, together 0.23-0.38)."""
+    bound less their mean; that bound is 1 before DOUBT_AFTER were judged). Together: a batch
+    drafts as one, and every request at its own bound at once is far less likely than their
+    bound together (4 requests, 10 judged drafts each at 0.3: each 0.18-0.46, together
+    0.23-0.38)."""
     floors = [min(p.floor(s), ALPHA_TOP) for p, s in zip(policies, sources, strict=True)]
     judged = [p.counts.get(s, (0.0, 0.0)) for p, s in zip(policies, sources, strict=True)]
     together = (sum(a for a, _ in judged), sum(r for _, r in judged))

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from fixed_costs import gguf_costs
 
-from specrt.runtime import Scheduler, SpeculativeRuntime, joint
-from specrt.runtime.controller import Adaptive
+from specrt.runtime import Scheduler, SpeculativeRuntime, controller, joint
+from specrt.runtime.controller import OPENING, Adaptive
 from specrt.runtime.costs import StepCosts
 from specrt.runtime.drafters import SINKS, ModelDrafter
 from specrt.runtime.drafting import DraftJob, draft_together
@@ -298,3 +298,67 @@ def test_a_batch_drafting_after_a_long_prompt_stops_where_its_ceiling_says_so(mo
 
     monkeypatch.setattr(joint, "_bounds", at_estimates)
     assert k([1, 0, 0, 0, 0]) == 0
+
+
+def _served_answers(costs: StepCosts, pool: PooledAcceptance) -> None:
+    """A first batch of 4 after 4,000 tokens, drafting one token a round: its answers keep 1
+    draft in 4 in their openings (their first OPENING tokens) and 3 in 5 after them."""
+    for policy in [Adaptive(costs=costs, pool=pool) for _ in range(4)]:
+        for emitted in range(0, 128, 2):
+            policy.locate(_after_4000(emitted)[0], 4)
+            kept = emitted % 8 == 0 if emitted < OPENING else emitted % 10 < 6
+            policy.observe(1, int(kept))
+
+
+def _after_4000(emitted: int) -> list[RoundContext]:
+    return [RoundContext(8, 4100 + emitted, 100, lag=2, can_look=True, emitted=emitted)] * 4
+
+
+def test_a_warm_batch_prices_an_answers_opening_from_what_openings_kept():
+    """The costs of the case above (drafting pays from acceptance 0.37), after a first batch
+    whose openings kept 0.25 of their drafts and whose bodies kept 0.6 (`_served_answers`): a
+    second batch waits at K = 0 through its answers' openings, priced from what openings kept,
+    and drafts once past them, priced from what bodies kept. Control: priced from the runtime's
+    drafts over every part (0.53), it drafts from its first round on, into openings that keep
+    0.25 (4 clients after 4,000 tokens of a summary drafted there, stopped 17 rounds in and
+    drafted again ~30 rounds later: 0.96x and 0.90x fixed K = 1)."""
+    costs = StepCosts(draft={1: 0.023, 4: 0.048, 8: 0.059}, verify={4: 0.40, 8: 0.50})
+    pool = PooledAcceptance()
+    _served_answers(costs, pool)
+
+    def k(emitted: int) -> int:
+        batch = [Adaptive(costs=costs, pool=pool) for _ in range(4)]
+        (k,) = {d.k for d in decide_together(batch, _after_4000(emitted), costs)}
+        return k
+
+    assert k(0) == 0 and k(OPENING - 1) == 0
+    assert k(OPENING) == 1
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Adaptive, "_pool_key", lambda self, source: source)
+        assert k(0) == 1
+
+
+def test_past_its_opening_a_request_is_priced_without_its_openings_drafts(monkeypatch):
+    """The same runtime; a batch that drafted through its answers' openings (1 draft in 4
+    kept) and stopped: once past them, its own drafts, all of the opening, no longer price it
+    (its part's pool does, 0.6), and it drafts again. Control: its whole answer one part (the
+    rule before), it stays at K = 0 (traced there, a warm turn stopped in the opening and
+    drafted again ~30 rounds into bodies that kept 0.5-0.6)."""
+    costs = StepCosts(draft={1: 0.023, 4: 0.048, 8: 0.059}, verify={4: 0.40, 8: 0.50})
+    pool = PooledAcceptance()
+    _served_answers(costs, pool)
+
+    def k(opening: int) -> int:
+        monkeypatch.setattr(controller, "OPENING", opening)
+        batch = [Adaptive(costs=costs, pool=pool) for _ in range(4)]
+        for emitted in range(0, OPENING - 4, 2):  # its openings' drafts...
+            for policy in batch:
+                policy.locate(_after_4000(emitted)[0], 4)
+                policy.observe(1, int(emitted % 8 == 0))
+        for policy in batch:  # ...then a round at K = 0
+            policy.observe(0, 0)
+        (k,) = {d.k for d in decide_together(batch, _after_4000(OPENING), costs)}
+        return k
+
+    assert k(OPENING) == 1
+    assert k(10**9) == 0

@@ -58,8 +58,11 @@ def decide_together(
     """One K for the adaptive requests of a batch that draft by the model and one for those
     that draft for free (each capped by its own room), maximising the batch's expected tokens
     per second; `others` are the K of the batch's other requests, which pad the verify call
-    and emit at least one token each. Requests whose source cannot be priced yet warm up
-    first (`_warm_ups`); the rest are priced knowing their K."""
+    and emit at least one token each. Each request first learns where in its answer the
+    round is (`Adaptive.locate`); those whose source cannot be priced yet warm up first
+    (`_warm_ups`); the rest are priced knowing their K."""
+    for policy, ctx in zip(policies, contexts, strict=True):
+        policy.locate(ctx, len(policies) + len(others))
     capped = [p.cap(c) for p, c in zip(policies, contexts, strict=True)]
     decisions = _first_looks(policies, contexts, len(policies) + len(others))
     decisions.update(_warm_ups(policies, contexts, capped, costs, others, decisions))

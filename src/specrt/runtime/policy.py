@@ -17,6 +17,7 @@ class RoundContext:
     lag: int = 0  # tokens the draft model must catch up on before it drafts (model rounds)
     unjudged: int = 0  # emitted tokens a look-back would judge now...
     can_look: bool = False  # ...where it can look back at all (greedy, unconstrained, a model)
+    emitted: int = 0  # tokens of its answer so far
 
 
 @dataclass(frozen=True)

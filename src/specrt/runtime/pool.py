@@ -1,6 +1,7 @@
 """Acceptance that a runtime's requests share, per draft source: where each request's own
 estimate starts and what it is shrunk toward (the controller's `Adaptive.alpha`), as the
-costs they share are the machine's (costs.py)."""
+costs they share are the machine's (costs.py). After a long prompt, each part of an answer
+(its opening, its body) is counted apart too, under its own key (`Adaptive.locate`)."""
 
 from __future__ import annotations
 

@@ -99,6 +99,7 @@ def speculate(reqs: list[Sequence], target: Engine, costs: StepCosts) -> Round:
             o.lag,
             o.unjudged,
             o.source == "model" and r.params.greedy and r.constraints is None,
+            r.produced,
         )
         for r, o, room in zip(reqs, offers, rooms, strict=True)
     ]

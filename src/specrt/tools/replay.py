@@ -157,7 +157,9 @@ class _Request:
     def context(self) -> RoundContext:
         position = self.trace.prompt_tokens + self.pos
         room, remaining = self.room, max(1, self.room + 1)
-        return RoundContext(room, position, remaining, "model", self.lag, self.unjudged, True)
+        return RoundContext(
+            room, position, remaining, "model", self.lag, self.unjudged, True, self.pos
+        )
 
     @property
     def unjudged(self) -> int:

@@ -209,21 +209,24 @@ class Adaptive:
     def locate(self, ctx: RoundContext, batch: int) -> None:
         """Where in its answer this round is, where it learns by looking back (after a long
         prompt, in a batch: `can_look_back`): its opening (the first OPENING tokens) or its
-        body. Each part is priced from its own evidence: its runtime's
-        pool counts each part's judged drafts apart too (`_pool_key`), and past its opening a
-        request forgets its own drafts there. An opening is unlike the rest: after 4,000
-        tokens of a summary, 4 clients drafting on their pool's 0.59 (bodies') met openings
-        that kept ~0.25, stopped 17 rounds in, and, priced on those drafts, drafted again only
-        ~30 rounds into bodies that kept 0.5-0.6, where drafting paid from 0.37 (turns 0.96x
-        and 0.90x fixed K = 1). Now such a batch stops in the opening and drafts again as it
-        leaves it, priced from what bodies kept (traced, three turns: 1.01x, 0.97x, 0.99x).
-        Alone, where a request learns by drafting and probes, its answer is one part: made to
-        forget its opening, a summary's request alone re-learnt its body from the prior and
-        stopped more often there (replayed, 0.988x the best fixed K where it ran 0.99x)."""
+        body. Each part is priced from its own evidence: its runtime's pool counts each part's
+        judged drafts apart too (`_pool_key`), and past its opening a request that stopped
+        forgets its own drafts there (one still drafting keeps them: they say drafting pays,
+        and forgotten, its estimate jumped to its pool's and took K = 3 for a few rounds of a
+        system prompt's answers after 4,000 tokens). An opening is unlike the rest: after
+        4,000 tokens of a summary, 4 clients drafting on their pool's 0.59 (bodies') met
+        openings that kept ~0.25, stopped 17 rounds in, and, priced on those drafts, drafted
+        again only ~30 rounds into bodies that kept 0.5-0.6, where drafting paid from 0.37
+        (turns 0.96x and 0.90x fixed K = 1). Now such a batch stops in the opening and drafts
+        again as it leaves it, priced from what bodies kept (traced, three turns: 1.01x,
+        0.97x, 0.99x). Alone, where a request learns by drafting and probes, its answer is one
+        part: made to forget its opening, a summary's request alone re-learnt its body from
+        the prior and stopped more often there (replayed, 0.988x the best fixed K, 0.99x
+        before)."""
         part = None
         if self.can_look_back(ctx, batch):
             part = "opening" if ctx.emitted < OPENING else "body"
-        if self.part == "opening" and part == "body":
+        if self.part == "opening" and part == "body" and not self.last_k:
             self.counts.clear()
             self.record.clear()
         self.part = part

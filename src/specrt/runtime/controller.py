@@ -234,10 +234,14 @@ class Adaptive:
     def _pool_key(self, source: str) -> str:
         """Which of its runtime's counts prices this request: its part's (`locate`), where the
         pool judged enough of them without it, else the source's over every part."""
-        if self.part is None or self.pool is None:
+        part = self._part_key(source)
+        if part is None or self.pool is None:
             return source
-        part = f"{source} {self.part}"
         return part if self.pool.warm(part, self.member) else source
+
+    def _part_key(self, source: str) -> str | None:
+        """The pool's key for this source's drafts in its answer's part (None: one part)."""
+        return None if self.part is None else f"{source} {self.part}"
 
     def cap(self, ctx: RoundContext) -> tuple[int, str]:
         """The most drafts this request takes this round, and why it is lower than its source's
@@ -286,8 +290,8 @@ class Adaptive:
         fade_in(self.record.setdefault(source, [0.0, 0.0]), self.history, accepted, rejected)
         if self.pool is not None:
             self.pool.observe(source, accepted, rejected, self.member)
-            if self.part is not None:
-                self.pool.observe(f"{source} {self.part}", accepted, rejected, self.member)
+            if (part := self._part_key(source)) is not None:
+                self.pool.observe(part, accepted, rejected, self.member)
 
 
 def make_controller(

@@ -61,10 +61,11 @@ def decide_together(
     and emit at least one token each. Each request first learns where in its answer the
     round is (`Adaptive.locate`); those whose source cannot be priced yet warm up first
     (`_warm_ups`); the rest are priced knowing their K."""
+    batch = len(policies) + len(others)
     for policy, ctx in zip(policies, contexts, strict=True):
-        policy.locate(ctx, len(policies) + len(others))
+        policy.locate(ctx, batch)
     capped = [p.cap(c) for p, c in zip(policies, contexts, strict=True)]
-    decisions = _first_looks(policies, contexts, len(policies) + len(others))
+    decisions = _first_looks(policies, contexts, batch)
     decisions.update(_warm_ups(policies, contexts, capped, costs, others, decisions))
     rest = [i for i in range(len(policies)) if i not in decisions]
     if rest:

@@ -12,7 +12,15 @@ from fixed_costs import flat_costs
 
 from specrt.errors import SpecrtError
 from specrt.runtime import SpeculativeRuntime, drafters
-from specrt.runtime.drafters import SINKS, ModelDrafter, make_drafter
+from specrt.runtime.costs import StepCosts
+from specrt.runtime.drafters import (
+    LOOK_BACK,
+    RESUME,
+    SINKS,
+    ModelDrafter,
+    make_drafter,
+    resume_length,
+)
 from specrt.runtime.drafting import DraftJob, draft_together
 from specrt.runtime.sampling import SamplingParams
 from specrt.serve import ServeSettings
@@ -158,6 +166,40 @@ def test_a_draft_far_behind_keeps_what_it_read_and_resumes_at_the_end(runtimes, 
         assert held[len(read) : len(read) + (4 if scouted else 12)] == seq[-4 if scouted else -12 :]
         drafter.rollback(len(seq) + 1)  # its draft kept, and the target's token after it
         assert drafter.offer([*seq, 1, 2], 30).lag == 2  # it reads on from where it resumed
+
+
+def _reading(per_token: float, call: float) -> StepCosts:
+    """A machine whose draft model reads `per_token` seconds a token and whose target's call
+    without drafts takes `call` alone, twice that for 4 requests."""
+    return StepCosts(draft={1: 0.01, 33: 0.01 + 32 * per_token}, verify={1: call, 4: 2 * call})
+
+
+def test_a_draft_back_from_a_stop_reads_more_where_its_reads_are_cheap():
+    """Fallen behind, a long prompt's draft model reads on from the sequence's last LOOK_BACK
+    tokens where reading them rather than the last RESUME costs less than the ~1.1 tokens its
+    better guesses keep save (an AMX Xeon's shape: 2.5 ms a token beside an 80 ms call); where
+    its reads are dear (an AVX2 EPYC's: 8 ms beside 100 ms), from the last RESUME. In a batch
+    a saved token is worth its share of the call that every request waits for."""
+    assert resume_length(_reading(0.0025, 0.080), 1) == LOOK_BACK
+    assert resume_length(_reading(0.008, 0.100), 1) == RESUME  # the control
+    assert resume_length(_reading(0.0025, 0.080), 4) == RESUME  # 40 ms of the call a request
+
+
+def test_each_round_tells_the_draft_model_how_far_back_it_resumes(runtimes):
+    """The runtime prices the resume from its own costs every round (`resume_length`), so the
+    same request reads on from the last LOOK_BACK on one machine and the last RESUME on
+    another."""
+    rt = runtimes["llama"]
+    saved = rt.costs
+    try:
+        for costs, resume in ((_reading(0.0025, 0.080), LOOK_BACK), (_reading(0.008, 0.1), RESUME)):
+            rt.costs = costs
+            drafter = make_drafter("model", rt.draft)
+            # one round (prefill draws the first token), priced before its own timings refine it
+            rt.generate([5, 6, 7, 8], max_new_tokens=2, drafter=drafter, controller="fixed:1")
+            assert drafter.model.resume == resume
+    finally:
+        rt.costs = saved
 
 
 def test_drafts_that_are_rejected_never_pay_for_the_window(

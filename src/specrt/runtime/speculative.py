@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from specrt.engines.base import Engine
 from specrt.runtime.acceptance import verify_greedy, verify_sampled
 from specrt.runtime.costs import StepCosts
-from specrt.runtime.drafters import Offer, Proposal
+from specrt.runtime.drafters import Offer, Proposal, resume_length
 from specrt.runtime.drafting import DraftJob, Steps, draft_together
 from specrt.runtime.joint import decide_round
 from specrt.runtime.logprobs import TokenLogprob, token_logprobs
@@ -86,6 +86,7 @@ def speculate(reqs: list[Sequence], target: Engine, costs: StepCosts) -> Round:
     """One round for every request given (each must have room >= 0)."""
     t0 = time.perf_counter()
     rooms = [r.room(target.capacity) for r in reqs]
+    _set_resume(reqs, costs)
     offers = [
         r.drafter.offer(r.tokens, room) if r.drafter else NONE
         for r, room in zip(reqs, rooms, strict=True)
@@ -124,6 +125,17 @@ def speculate(reqs: list[Sequence], target: Engine, costs: StepCosts) -> Round:
     _observe_costs(costs, drafted, steps, t2 - t1, context)
     sources = [o.source if n else "none" for o, n in _pairs(offers, drafted)]
     return Round(decisions, sources, drafted, accepted, emitted, t1 - t0, t2 - t1, logprobs)
+
+
+def _set_resume(reqs: list[Sequence], costs: StepCosts) -> None:
+    """Tell each request's draft model how far back it reads on from where it fell behind:
+    the batch's call and the draft's reads price it (`drafters.resume_length`)."""
+    if not costs.ready_for("model"):
+        return
+    resume = resume_length(costs, len(reqs))
+    for r in reqs:
+        if r.drafter is not None and r.drafter.model is not None:
+            r.drafter.model.resume = resume
 
 
 def _accept(r: Sequence, p: Proposal, scores, target: Engine) -> tuple:

@@ -175,14 +175,14 @@ def _reading(per_token: float, call: float) -> StepCosts:
 
 
 def test_a_draft_back_from_a_stop_reads_more_where_its_reads_are_cheap():
-    """Fallen behind, a long prompt's draft model reads on from the sequence's last LOOK_BACK
-    tokens where reading them rather than the last RESUME costs less than the ~1.1 tokens its
-    better guesses keep save (an AMX Xeon's shape: 2.5 ms a token beside an 80 ms call); where
-    its reads are dear (an AVX2 EPYC's: 8 ms beside 100 ms), from the last RESUME. In a batch
-    a saved token is worth its share of the call that every request waits for."""
+    """Fallen behind alone, a long prompt's draft model reads on from the sequence's last
+    LOOK_BACK tokens where reading them rather than the last RESUME costs less than the ~1.1
+    tokens its better guesses keep save (an AMX Xeon's shape: 2.5 ms a token beside an 80 ms
+    call); where its reads are dear (an AVX2 EPYC's: 8 ms beside 100 ms), from the last
+    RESUME. In a batch, where requests learn by looking back, from the last RESUME."""
     assert resume_length(_reading(0.0025, 0.080), 1) == LOOK_BACK
     assert resume_length(_reading(0.008, 0.100), 1) == RESUME  # the control
-    assert resume_length(_reading(0.0025, 0.080), 4) == RESUME  # 40 ms of the call a request
+    assert resume_length(_reading(0.0025, 0.080), 4) == RESUME
 
 
 def test_each_round_tells_the_draft_model_how_far_back_it_resumes(runtimes):

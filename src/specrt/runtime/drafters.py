@@ -347,18 +347,25 @@ class ConstrainedDrafter:
 
 def resume_length(costs: StepCosts, batch: int) -> int:
     """How many of the sequence's last tokens a long prompt's draft model that fell behind reads
-    on from (`ModelDrafter.resume`) in a batch of `batch`: LOOK_BACK where reading them, not
-    RESUME, costs less than its better guesses save (RESUME_GAIN tokens, each a share of the
-    call without drafts), else RESUME. Measured offline after 1,000 tokens (4 summaries, 4
-    questions, a stop at the answer's 10th token and a resume at its 20th to 80th), its next
-    16 guesses were kept 0.48 of the time reading on from the last 8, 0.55 from the last 32:
-    ~1.1 tokens more. What the reads cost is the machine's: on an AMX Xeon the default draft
-    reads ~2.5 ms a token, and alone after 1,000 tokens, where a summary's probes back from a
-    stop were rejected, reading 32 ran 0.976x the better of the target alone and fixed K = 1
-    over five runs where 8 ran 0.954x; on an AVX2 EPYC it reads ~8 ms a token, where a
-    16-token scout priced a probe out of reach for ~40 rounds (0.94x) and 8 was chosen."""
+    on from (`ModelDrafter.resume`) in a batch of `batch`. Alone, where a probe's draft decides
+    whether a request drafts again: LOOK_BACK where reading them, not RESUME, costs less than
+    its better guesses save (RESUME_GAIN tokens, each a call without drafts), else RESUME.
+    Measured offline after 1,000 tokens (4 summaries, 4 questions, a stop at the answer's 10th
+    token and a resume at its 20th to 80th), its next 16 guesses were kept 0.48 of the time
+    reading on from the last 8, 0.55 from the last 32: ~1.1 tokens more. The reads' cost is the
+    machine's: on an AMX Xeon the default draft reads ~2.5 ms a token, and after 1,000 tokens
+    of a summary, where probes back from a stop were rejected, the last 32 ran 0.976x the
+    better of the target alone and fixed K = 1 over five runs where the last 8 ran 0.954x; on
+    an AVX2 EPYC it reads ~8 ms a token, where a 16-token scout priced a probe out of reach for
+    ~40 rounds (0.94x) and 8 was chosen. In a batch, RESUME: there a request learns by looking
+    back, which reads its last LOOK_BACK however it resumes, and a start is priced with every
+    request's catch-up; resuming from the last 32, 4 clients after 4,000 tokens of a summary
+    ran 0.97x fixed K = 1 where they had run 0.99x, their warm turns waiting through their
+    openings at K = 0."""
+    if batch > 1:
+        return RESUME
     extra = costs.catch_up_cost(LOOK_BACK) - costs.catch_up_cost(RESUME)
-    return LOOK_BACK if extra <= RESUME_GAIN * costs.verify_cost(batch) / batch else RESUME
+    return LOOK_BACK if extra <= RESUME_GAIN * costs.verify_cost(1) else RESUME
 
 
 def prompt_skips(prompt: int, window: int | None, scout: bool = True) -> tuple[int, int]:

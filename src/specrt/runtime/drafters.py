@@ -37,9 +37,9 @@ DRAFT_WINDOW = 512
 # Past SCOUT_FROM tokens the draft reads a prompt's last SCOUT (sinks included) until SCOUT_KEPT
 # of its drafts were kept, then its window while the answer left is WIDEN_LEFT times its lag.
 SCOUT, SCOUT_FROM, SCOUT_KEPT, WIDEN_LEFT = 32, 256, 8, 1.0
-RESUME = 8  # ...and, having fallen further behind, what it read and the sequence's last RESUME
-LOOK_BACK = 32  # the most tokens a look-back reads (see `ModelDrafter.look_back`)...
-RESUME_GAIN = 1.1  # ...and what reading them keeps more, back from a stop (`resume_length`)
+RESUME = 8  # ...and, fallen further behind, what it read and the sequence's last RESUME
+LOOK_BACK = 32  # the most tokens a look-back reads (`ModelDrafter.look_back`), and a resume alone
+RESUME_GAIN = 1.1  # ...where reading them keeps this many tokens more than RESUME (`resume_length`)
 
 
 @dataclass(frozen=True)
@@ -359,9 +359,9 @@ def resume_length(costs: StepCosts, batch: int) -> int:
     an AVX2 EPYC it reads ~8 ms a token, where a 16-token scout priced a probe out of reach for
     ~40 rounds (0.94x) and 8 was chosen. In a batch, RESUME: there a request learns by looking
     back, which reads its last LOOK_BACK however it resumes, and a start is priced with every
-    request's catch-up; resuming from the last 32, 4 clients after 4,000 tokens of a summary
-    ran 0.97x fixed K = 1 where they had run 0.99x, their warm turns waiting through their
-    openings at K = 0."""
+    request's catch-up: resuming from the last 32, 4 clients after 4,000 tokens of a summary
+    ran 0.97x fixed K = 1 where the last 8 ran 0.99x within the hour (one run each: no gain
+    seen, its cold turn drafting from round 63 where the other's did from 37)."""
     if batch > 1:
         return RESUME
     extra = costs.catch_up_cost(LOOK_BACK) - costs.catch_up_cost(RESUME)

@@ -129,7 +129,8 @@ def speculate(reqs: list[Sequence], target: Engine, costs: StepCosts) -> Round:
 
 def _set_resume(reqs: list[Sequence], costs: StepCosts) -> None:
     """Tell each request's draft model how far back it reads on from where it fell behind:
-    the batch's call and the draft's reads price it (`drafters.resume_length`)."""
+    alone, its call and the draft's reads price it; in a batch, the last RESUME
+    (`drafters.resume_length`)."""
     if not costs.ready_for("model"):
         return
     resume = resume_length(costs, len(reqs))

@@ -29,6 +29,7 @@ from specrt.runtime.costs import StepCosts
 from specrt.runtime.joint import decide_together
 from specrt.runtime.policy import Decision, RoundContext
 from specrt.runtime.pool import DOUBT_AFTER, PooledAcceptance, fade_in, wilson
+from specrt.runtime.runs import PRIOR
 
 # After a long prompt, an answer's first OPENING tokens are counted apart in its runtime's pool:
 # over 40 recorded answers (tests/data/acceptance-long-prompts.json) the draft's guesses there
@@ -107,6 +108,7 @@ class Adaptive:
     refreshing: bool = field(init=False, default=False)  # ...or re-timed the call without drafts
     member: int | None = field(init=False, default=None)  # its key in the pool
     part: str | None = field(init=False, default=None)  # of its answer, after a long prompt
+    counted_at: int = field(init=False, default=0)  # drafts of its last counted round (0: looked)
 
     def __post_init__(self) -> None:
         self.member = self.pool.member() if self.pool is not None else None
@@ -264,7 +266,30 @@ class Adaptive:
     def decide(self, ctx: RoundContext) -> Decision:
         return decide_together([self], [ctx], self.costs)[0]
 
+    def shape(self, source: str = "model") -> list[float] | None:
+        """A factor per K (0 to `k_model`) on `expected_tokens` at its estimate, from the order
+        in which its runtime's draft model's guesses were kept (runs.py), for its part of the
+        answer where its runtime judged PRIOR guesses there, else over every part; None for a
+        free source (no step judges its bonus tokens) or without a pool."""
+        if source != "model" or self.pool is None:
+            return None
+        runs, part = self.pool.runs, self._part_key(source)
+        key = part if part is not None and runs.judged(part) >= PRIOR else source
+        return runs.shape(key, self.counted_at, self.k_model)
+
+    def bonus(self, kept: bool, source: str = "model") -> None:
+        """The draft model's guess at the token the target added after its last round's drafts,
+        all kept, judged by the step that read it (drafting.py): the next guess in order."""
+        if source == "model" and self.pool is not None:
+            self.pool.runs.bonus(self.member, self._run_keys(source), kept)
+
+    def _run_keys(self, source: str) -> list[str]:
+        part = self._part_key(source)
+        return [source] if part is None else [source, part]
+
     def observe(self, k: int, accepted: int, source: str = "model") -> None:
+        if source == "model" and self.pool is not None:
+            self.pool.runs.drafted(self.member, self._run_keys(source), k, accepted)
         if self.refreshing:  # a round that only re-timed a call: the course goes on
             self.refreshing = False
             return
@@ -278,12 +303,14 @@ class Adaptive:
         if k > 0:
             rejected = 1 if accepted < k else 0  # drafts after a rejection are never judged
             self._count(source, accepted, rejected)
+            self.counted_at = k
 
     def looked_back(self, kept: int, judged: int, source: str = "model") -> None:
         """What its look-back judged, counted as judged drafts (the same trials, see
         `ModelDrafter.look_back`); the wait for the next look-back starts again."""
         self.idle = 0
         self._count(source, kept, judged - kept)
+        self.counted_at = 0
 
     def _count(self, source: str, accepted: int, rejected: int) -> None:
         fade_in(self.counts.setdefault(source, [0.0, 0.0]), self.decay, accepted, rejected)

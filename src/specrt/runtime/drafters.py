@@ -64,6 +64,7 @@ class Proposal:
     tokens: list[int] = field(default_factory=list)
     probs: list[np.ndarray | None] = field(default_factory=list)  # None: a point mass
     steps: int = 0  # draft model calls it took (a request stops at its K of them)
+    guessed: bool | None = None  # its first step's guess at the sequence's last token, judged
 
 
 class Drafter(Protocol):

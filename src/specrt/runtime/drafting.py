@@ -50,8 +50,11 @@ def draft_together(jobs: Sequence[DraftJob]) -> tuple[list[Proposal], Steps]:
     A request whose draft is done (k steps, its room, or the draft is unsure: verifying now
     beats drafting on) sits out the remaining steps. Its first step feeds each request what
     the draft model has not read yet (a request far behind catches up first, in a call of its
-    own, which is not a step). Constraints end where they began: drafting walks them ahead and
-    steps them back. Also returns each call's rows and seconds (the catch-ups', then each
+    own, which is not a step); where it feeds two tokens or more, that step also judges the
+    draft's guess at the last (`Proposal.guessed`: after a round that kept every draft, the
+    target's bonus token, whose guess no draft judged), from logits the call computes anyway
+    wherever its rows differ in width. Constraints end where they began: drafting walks them
+    ahead and steps them back. Also returns each call's rows and seconds (the catch-ups', then each
     step's), which refine the draft model's cost curve: a catch-up is priced on that curve
     (`StepCosts.catch_up_cost`), and calibration measures it only up to 33 tokens, from which a
     window's 512 were priced 25 % dear on the default draft. A step's seconds include drawing
@@ -76,14 +79,17 @@ def draft_together(jobs: Sequence[DraftJob]) -> tuple[list[Proposal], Steps]:
             engine.forward_rows([(jobs[i].drafter.slot, feed[:ahead])], last=1)
             steps.append((ahead, time.perf_counter() - start))
             feeds[i] = feed[ahead:]
+    judging = {i for i, feed in feeds.items() if len(feed) > 1 and _judges(jobs[i])}
     while feeds:
         calls = [(jobs[i].drafter.slot, feed) for i, feed in feeds.items()]
         width = max(len(feed) for feed in feeds.values())
         start = time.perf_counter()
-        rows = engine.forward_rows(calls, last=1)
+        rows = engine.forward_rows(calls, last=None if judging else 1)
         for i, logits in zip(list(feeds), rows, strict=True):
             job, proposal = jobs[i], proposals[i]
-            row = logits[0, :ids]
+            if i in judging:
+                proposal.guessed = bool(logits[-2, :ids].argmax() == job.seq[-1])
+            row = logits[-1, :ids]
             if job.constraints is not None:
                 row = job.constraints.apply(row)
             token, probs, confidence = draw(row, job.params, job.rng, job.threshold)
@@ -98,10 +104,18 @@ def draft_together(jobs: Sequence[DraftJob]) -> tuple[list[Proposal], Steps]:
             if ended or proposal.steps == job.k or len(proposal.tokens) >= job.limit:
                 del feeds[i]
         steps.append((len(calls) * width, time.perf_counter() - start))  # draws included
+        judging = set()
     for job, base in zip(jobs, bases, strict=True):
         if job.constraints is not None:
             job.constraints.rollback_to(base)
     return proposals, steps
+
+
+def _judges(job: DraftJob) -> bool:
+    """Whether the first step judges the draft's guess at the job's last token (the one it
+    reads after the token before, both in its first feed): greedy and unconstrained, where a
+    guess is kept exactly where it is the target's token (`Proposal.guessed`)."""
+    return job.params.greedy and job.constraints is None and not job.prefix
 
 
 def catch_up_tokens(feed: int) -> int:

@@ -164,13 +164,14 @@ def _priced(policies, contexts, capped, costs: StepCosts, others) -> list[Decisi
     sources = [c.source for c in contexts]
     alphas = [min(p.alpha(s), ALPHA_TOP) for p, s in zip(policies, sources, strict=True)]
     lags = [(c.lag, c.remaining) for c in contexts]
+    shapes = [p.shape(s) for p, s in zip(policies, sources, strict=True)]
     options = []
     for k_model, k_free in _pairs_of_k(caps, sources):
         ks = [
             min(max(k_model if s == "model" else k_free, low), cap)
             for s, low, cap in zip(sources, lows, caps, strict=True)
         ]
-        options.append((*price_round(ks, alphas, sources, lags, others, costs), ks))
+        options.append((*price_round(ks, alphas, sources, lags, others, costs, shapes), ks))
     batch = len(policies) + len(others)
     drafting = any(
         p.last_k
@@ -182,7 +183,7 @@ def _priced(policies, contexts, capped, costs: StepCosts, others) -> list[Decisi
     bounds = None
     if all(p.can_look_back(c, batch) for p, c in zip(policies, contexts, strict=True)):
         price = functools.partial(
-            price_round, sources=sources, lags=lags, others=others, costs=costs
+            price_round, sources=sources, lags=lags, others=others, costs=costs, shapes=shapes
         )
         bounds = _bounds(policies, sources, alphas, price)
     chosen = _keep_course(options, sources, drafting, bounds)

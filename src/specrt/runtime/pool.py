@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from specrt.runtime.runs import JudgedRuns
+
 POOL_WARM = 8.0  # drafts of a source a runtime judges (decayed) before it prices that source
 GONE = 0.01  # a request's share of the counts, faded below this, is forgotten
 DOUBT_Z, DOUBT_AFTER = 1.0, 4.0  # judged drafts bound acceptance (84 %, Wilson) once 4 are judged
@@ -34,6 +36,7 @@ class PooledAcceptance:
     decay: float = 0.99  # the last ~100 drafted tokens of any request
     counts: dict[str, list[float]] = field(default_factory=dict)  # source: [accepted, rejected]
     shares: dict[tuple[int, str], list[float]] = field(default_factory=dict)  # whose counts
+    runs: JudgedRuns = field(default_factory=JudgedRuns)  # the same guesses, in order: a shape
     _keys: itertools.count = field(default_factory=itertools.count, repr=False)
 
     def member(self) -> int:

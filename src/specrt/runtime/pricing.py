@@ -2,8 +2,10 @@
 (controller.py) maximises, and the replay and ceiling tools price with.
 
 With per-token acceptance α, a request drafting K tokens emits E = (1 - α^(K+1)) / (1 - α)
-tokens a round; a round costs the draft steps of the rows that draft (their catch-ups
-included) plus one verify call as wide as the batch times its widest K + 1.
+tokens a round, times its shape at K where the order of its judged guesses gives one
+(runs.py: a guess after a kept one is kept more often); a round costs the draft steps of the
+rows that draft (their catch-ups included) plus one verify call as wide as the batch times its
+widest K + 1.
 """
 
 from __future__ import annotations
@@ -22,11 +24,14 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
-def price_round(ks, alphas, sources, lags, others, costs: StepCosts) -> tuple[float, float, float]:
+def price_round(
+    ks, alphas, sources, lags, others, costs: StepCosts, shapes=None
+) -> tuple[float, float, float]:
     """Expected tokens per second of a round where the joint requests draft ks, and the
     seconds of its draft steps (their catch-ups included: a request that drafted at K = 0 for
     a while must first feed the draft model what it missed, and in a busy batch every other
-    request waits for it) and of its verify call. lags: (lag, remaining tokens) per request."""
+    request waits for it) and of its verify call. lags: (lag, remaining tokens) per request;
+    shapes: per request, a factor per K on its expected tokens, or None (1 at every K)."""
     drafting = [
         (k, alpha, lag)
         for k, alpha, s, lag in zip(ks, alphas, sources, lags, strict=True)
@@ -39,7 +44,11 @@ def price_round(ks, alphas, sources, lags, others, costs: StepCosts) -> tuple[fl
         _catch_up_share(costs, k, alpha, *lag) for k, alpha, lag in drafting if lag[0] > ROUND_LAG
     )
     verify = costs.verify_cost(verify_rows(ks, others))
-    tokens = len(others) + sum(map(expected_tokens, alphas, ks))
+    shapes = shapes or [None] * len(ks)
+    tokens = len(others) + sum(
+        expected_tokens(alpha, k) * (shape[k] if shape else 1.0)
+        for alpha, k, shape in zip(alphas, ks, shapes, strict=True)
+    )
     return tokens / (draft + verify), draft, verify
 
 

@@ -114,6 +114,8 @@ def speculate(reqs: list[Sequence], target: Engine, costs: StepCosts) -> Round:
     accepted, emitted, logprobs = [], [], []
     for r, p, o, scores in zip(reqs, proposals, offers, logits, strict=True):
         n, kept, entries = _accept(r, p, scores, target)
+        if p.guessed is not None and hasattr(r.policy, "bonus"):
+            r.policy.bonus(p.guessed, o.source)  # the guess before this round's, in order
         r.policy.observe(len(p.tokens), n, o.source)
         accepted.append(n)
         emitted.append(kept)

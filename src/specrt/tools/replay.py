@@ -39,7 +39,7 @@ from specrt.files import write_json_atomic
 from specrt.runtime.controller import make_controller
 from specrt.runtime.costs import StepCosts
 from specrt.runtime.drafters import DRAFT_WINDOW, LOOK_BACK, ModelDrafter, prompt_skips
-from specrt.runtime.drafting import draft_seconds
+from specrt.runtime.drafting import CATCH_UP, draft_seconds
 from specrt.runtime.joint import decide_round
 from specrt.runtime.policy import RoundContext
 from specrt.runtime.pool import PooledAcceptance
@@ -212,6 +212,8 @@ def _round(live: list[_Request], costs: StepCosts) -> float:
     seconds += sum(r.look_back(costs) for r in looking)
     seconds += costs.verify_cost(len(live) * (max(drafted for drafted, _ in drafts) + 1))
     for r, d, (drafted, steps) in zip(live, decisions, drafts, strict=True):
+        if drafted and 1 < r.lag <= CATCH_UP and hasattr(r.policy, "bonus"):
+            r.policy.bonus(r.trace.agrees[r.pos - 1], "model")  # as draft_together judges it
         r.advance(d.k, drafted, steps)
     for r in looking:
         r.policy.looked_back(*r.looks[-1], "model")

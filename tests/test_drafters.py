@@ -240,3 +240,28 @@ def test_a_killed_build_leaves_a_folder_the_next_build_removes(short_target, tmp
     build_bundle(None, str(short_target), out, log=lambda _: None)
     assert not dead.exists() and alive.exists()
     assert Bundle.load(out).max_context == 512
+
+
+def test_an_unsure_row_drafts_on_beside_a_sure_one_and_counts_only_its_sure_drafts(bundles):
+    """In a batched draft a row whose draft is unsure (a threshold above any probability)
+    drafts on while another row is sure (threshold 0): the step and the verify call's width
+    are paid anyway. Its policy counts only its first draft, the one it would have drafted
+    alone. Control: alone, the unsure row stops after its first draft."""
+    rt = SpeculativeRuntime.load(bundles["llama"], slots=2, threads=1, calibrate=False)
+    seqs = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15]]
+
+    def draft(thresholds):
+        jobs = []
+        for slot, (seq, threshold) in enumerate(zip(seqs, thresholds, strict=False)):
+            rt.draft.reset(slot)
+            drafter = ModelDrafter(rt.draft)
+            drafter.start(seq, slot, None)
+            rng = np.random.default_rng(0)
+            jobs.append(DraftJob(drafter, seq, 3, SamplingParams(), rng, threshold))
+        return draft_together(jobs)[0]
+
+    unsure, sure = draft([1.01, 0.0])
+    assert len(unsure.tokens) == len(sure.tokens) == 3
+    assert (unsure.counted, sure.counted) == (1, 3)
+    (alone,) = draft([1.01])
+    assert len(alone.tokens) == alone.counted == 1

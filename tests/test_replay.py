@@ -212,12 +212,15 @@ def test_after_long_prompts_a_warm_batch_is_priced_without_looking_first(monkeyp
     before, which cost its first look-backs (~0.1 s a request) where the target alone was best
     and 16 rounds at K = 0 where drafting paid at once. Its second and third turns run at
     0.98x the best fixed K on average, at least 0.90x each. Control: looking back first
-    whatever the pool knows, the mean is under 0.97x."""
+    whatever the pool knows, the mean is 2 % lower at least (0.964x against 0.987x before
+    each K was priced by its runs and unsure rows drafted on beside sure ones; now 0.970x
+    against 0.997x)."""
     ratios = [r for traces, after in _long_prompt_batches() for r in _warm_turns(traces, after)]
-    assert sum(ratios) / len(ratios) >= 0.98 and min(ratios) >= 0.90
+    mean = sum(ratios) / len(ratios)
+    assert mean >= 0.98 and min(ratios) >= 0.90
     monkeypatch.setattr(Adaptive, "looks_first", _looks_first_always)
     ratios = [r for traces, after in _long_prompt_batches() for r in _warm_turns(traces, after)]
-    assert sum(ratios) / len(ratios) < 0.97
+    assert sum(ratios) / len(ratios) < mean - 0.02
 
 
 def _looks_first_always(self, ctx, batch: int) -> bool:

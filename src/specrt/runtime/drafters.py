@@ -65,6 +65,13 @@ class Proposal:
     probs: list[np.ndarray | None] = field(default_factory=list)  # None: a point mass
     steps: int = 0  # draft model calls it took (a request stops at its K of them)
     guessed: bool | None = None  # its first step's guess at the sequence's last token, judged
+    sure: int | None = None  # tokens before its draft was first unsure, drafting on (None: all)
+
+    @property
+    def counted(self) -> int:
+        """The drafts its policy counts: those it would have drafted alone (see drafting.py's
+        `draft_together`: an unsure row drafts on beside a sure one, for free)."""
+        return len(self.tokens) if self.sure is None else self.sure
 
 
 class Drafter(Protocol):

@@ -116,7 +116,7 @@ def speculate(reqs: list[Sequence], target: Engine, costs: StepCosts) -> Round:
         n, kept, entries = _accept(r, p, scores, target)
         if p.guessed is not None and hasattr(r.policy, "bonus"):
             r.policy.bonus(p.guessed, o.source)  # the guess before this round's, in order
-        r.policy.observe(len(p.tokens), n, o.source)
+        r.policy.observe(p.counted, min(n, p.counted), o.source)
         accepted.append(n)
         emitted.append(kept)
         logprobs.append(entries)

@@ -179,21 +179,21 @@ class _Request:
         return costs.draft_cost("model", 1, read)
 
     def draft(self, k: int) -> tuple[int, int]:
-        """Drafts proposed and draft-model steps taken for K = k: after the first, drafting
-        stops where the draft is unsure (that step is paid, its token dropped)."""
-        threshold = self.policy.confidence_threshold
-        for j in range(k):
-            if j and self.trace.confidence[self.pos + j] < threshold:
-                return j, j + 1
-        return k, k
+        """Drafts proposed and draft-model steps taken for K = k, alone (see `_drafts`)."""
+        return _drafts([self], [k])[0][:2]
 
-    def advance(self, k: int, drafted: int, steps: int) -> None:
-        """Emit the accepted drafts and the target's token; the draft model keeps what it read
-        of them (it never reads its last proposal unless a cut step did)."""
+    def sure(self, j: int) -> bool:
+        """Whether its draft is sure of its j-th token (the first always is)."""
+        return not j or self.trace.confidence[self.pos + j] >= self.policy.confidence_threshold
+
+    def advance(self, k: int, drafted: int, steps: int, counted: int) -> None:
+        """Emit the accepted drafts and the target's token (its policy told of the `counted`
+        first drafts); the draft model keeps what it read of them (it never reads its last
+        proposal unless a cut step did)."""
         accepted = 0
         while accepted < drafted and self.trace.agrees[self.pos + accepted]:
             accepted += 1
-        self.policy.observe(drafted, accepted, "model")
+        self.policy.observe(counted, min(accepted, counted), "model")
         self.ks.append(k)
         self.accepted.append(accepted)
         if drafted:  # it read `steps - 1` drafts, then was rolled back to the accepted ones
@@ -203,18 +203,39 @@ class _Request:
         self.pos += accepted + 1
 
 
+def _drafts(live: list[_Request], ks: list[int]) -> list[tuple[int, int, int]]:
+    """Drafts proposed, draft-model steps taken and drafts its policy counts, per request at
+    its K, as `draft_together` takes them: after the first, the drafts end where every row of
+    a step is unsure (that step is paid, its tokens dropped); an unsure row drafts on beside a
+    sure one, counted only up to its first unsure draft (`Proposal.counted`)."""
+    taken = [[min(k, 1), min(k, 1), None] for k in ks]  # drafted, steps, counted
+    for j in range(1, max(ks, default=0)):
+        rows = [i for i, k in enumerate(ks) if k > j and taken[i][0] == j]
+        if not rows:
+            break
+        for i in rows:
+            taken[i][1] += 1
+        if not any(live[i].sure(j) for i in rows):
+            break
+        for i in rows:
+            if not live[i].sure(j) and taken[i][2] is None:
+                taken[i][2] = j
+            taken[i][0] += 1
+    return [(drafted, steps, drafted if sure is None else sure) for drafted, steps, sure in taken]
+
+
 def _round(live: list[_Request], costs: StepCosts) -> float:
     decisions = decide_round([r.policy for r in live], [r.context() for r in live], costs)
-    drafts = [r.draft(d.k) for r, d in zip(live, decisions, strict=True)]
-    feeds = [(r.lag, steps) for r, (drafted, steps) in zip(live, drafts, strict=True) if drafted]
+    drafts = _drafts(live, [d.k for d in decisions])
+    feeds = [(r.lag, steps) for r, (drafted, steps, _) in zip(live, drafts, strict=True) if drafted]
     seconds = draft_seconds(feeds, costs)
     looking = [r for r, d in zip(live, decisions, strict=True) if d.look_back and not d.k]
     seconds += sum(r.look_back(costs) for r in looking)
-    seconds += costs.verify_cost(len(live) * (max(drafted for drafted, _ in drafts) + 1))
-    for r, d, (drafted, steps) in zip(live, decisions, drafts, strict=True):
+    seconds += costs.verify_cost(len(live) * (max(drafted for drafted, _, _ in drafts) + 1))
+    for r, d, (drafted, steps, counted) in zip(live, decisions, drafts, strict=True):
         if drafted and 1 < r.lag <= CATCH_UP and hasattr(r.policy, "bonus"):
             r.policy.bonus(r.trace.agrees[r.pos - 1], "model")  # as draft_together judges it
-        r.advance(d.k, drafted, steps)
+        r.advance(d.k, drafted, steps, counted)
     for r in looking:
         r.policy.looked_back(*r.looks[-1], "model")
     return seconds

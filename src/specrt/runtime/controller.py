@@ -29,7 +29,7 @@ from specrt.runtime.costs import StepCosts
 from specrt.runtime.joint import decide_together
 from specrt.runtime.policy import Decision, RoundContext
 from specrt.runtime.pool import DOUBT_AFTER, PooledAcceptance, fade_in, wilson
-from specrt.runtime.runs import PRIOR
+from specrt.runtime.runs import PART_AFTER
 
 # After a long prompt, an answer's first OPENING tokens are counted apart in its runtime's pool:
 # over 40 recorded answers (tests/data/acceptance-long-prompts.json) the draft's guesses there
@@ -269,12 +269,12 @@ class Adaptive:
     def shape(self, source: str = "model") -> list[float] | None:
         """A factor per K (0 to `k_model`) on `expected_tokens` at its estimate, from the order
         in which its runtime's draft model's guesses were kept (runs.py), for its part of the
-        answer where its runtime judged PRIOR guesses there, else over every part; None for a
+        answer where its runtime judged PART_AFTER guesses there, else over every part; None for a
         free source (no step judges its bonus tokens) or without a pool."""
         if source != "model" or self.pool is None:
             return None
         runs, part = self.pool.runs, self._part_key(source)
-        key = part if part is not None and runs.judged(part) >= PRIOR else source
+        key = part if part is not None and runs.judged(part) >= PART_AFTER else source
         return runs.shape(key, self.counted_at, self.k_model)
 
     def bonus(self, kept: bool, source: str = "model") -> None:

@@ -53,10 +53,10 @@ def draft_together(jobs: Sequence[DraftJob]) -> tuple[list[Proposal], Steps]:
     pays for that step and for a verify call as wide as its widest row anyway, and its policy
     counts only the drafts it was sure of (`Proposal.counted`): priced on every draft, 2
     clients replayed on short prompts lowered their estimate on the extra ones and stopped
-    (0.93x the best fixed K, 0.96x before). Where each
-    unsure row stopped alone, adaptive's rounds at K = 2 after 8,000 tokens at 4 clients kept
-    a second draft after a kept first 0.51 of the time, fixed K = 2's (no threshold) 0.61:
-    1.94 tokens a request a round against 1.99.
+    (0.93x the best fixed K, 0.96x before). Where each unsure row stopped alone, adaptive's
+    rounds at K = 2 after 8,000 tokens at 4 clients kept a second draft after a kept first
+    0.51 of the time, fixed K = 2's (no threshold) 0.61: 1.94 tokens a request a round
+    against 1.99.
 
     Its first step feeds each request what the draft model has not read yet (a request far
     behind catches up first, in a call of its own, which is not a step); where it feeds two
@@ -99,30 +99,37 @@ def draft_together(jobs: Sequence[DraftJob]) -> tuple[list[Proposal], Steps]:
             i: _draw(jobs[i], proposals[i], logits, ids, i in judging)
             for i, logits in zip(list(feeds), rows, strict=True)
         }
-        sure = any(
-            not proposals[i].tokens or confidence >= jobs[i].threshold
-            for i, (_, _, confidence) in drawn.items()
-        )
-        for i, (token, probs, confidence) in drawn.items():
-            job, proposal = jobs[i], proposals[i]
-            if not sure:  # every row unsure: the drafts end here
-                del feeds[i]
-                continue
-            if proposal.tokens and confidence < job.threshold and proposal.sure is None:
-                proposal.sure = len(proposal.tokens)
-            proposal.tokens.append(token)
-            proposal.probs.append(probs)
-            proposal.steps += 1
-            feeds[i] = [token, *_follow(job, proposal, token)]
-            ended = job.constraints is not None and token in job.constraints.eos
-            if ended or proposal.steps == job.k or len(proposal.tokens) >= job.limit:
-                del feeds[i]
+        _take(jobs, proposals, feeds, drawn)
         steps.append((len(calls) * width, time.perf_counter() - start))  # draws included
         judging = set()
     for job, base in zip(jobs, bases, strict=True):
         if job.constraints is not None:
             job.constraints.rollback_to(base)
     return proposals, steps
+
+
+def _take(jobs, proposals: list[Proposal], feeds: dict, drawn: dict) -> None:
+    """Add a step's drawn tokens to their proposals and what each row reads next to `feeds`
+    (a row whose draft is done leaves them); where every row is unsure, every row leaves."""
+    if all(_unsure(jobs[i], proposals[i], confidence) for i, (_, _, confidence) in drawn.items()):
+        feeds.clear()
+        return
+    for i, (token, probs, confidence) in drawn.items():
+        job, proposal = jobs[i], proposals[i]
+        if _unsure(job, proposal, confidence) and proposal.sure is None:
+            proposal.sure = len(proposal.tokens)
+        proposal.tokens.append(token)
+        proposal.probs.append(probs)
+        proposal.steps += 1
+        feeds[i] = [token, *_follow(job, proposal, token)]
+        ended = job.constraints is not None and token in job.constraints.eos
+        if ended or proposal.steps == job.k or len(proposal.tokens) >= job.limit:
+            del feeds[i]
+
+
+def _unsure(job: DraftJob, proposal: Proposal, confidence: float) -> bool:
+    """Whether a row's drawn token is unsure: under its threshold, after its first."""
+    return bool(proposal.tokens) and confidence < job.threshold
 
 
 def _draw(job: DraftJob, proposal: Proposal, logits, ids: int, judging: bool):

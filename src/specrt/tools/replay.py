@@ -210,9 +210,7 @@ def _drafts(live: list[_Request], ks: list[int]) -> list[tuple[int, int, int]]:
     sure one, counted only up to its first unsure draft (`Proposal.counted`)."""
     taken = [[min(k, 1), min(k, 1), None] for k in ks]  # drafted, steps, counted
     for j in range(1, max(ks, default=0)):
-        rows = [i for i, k in enumerate(ks) if k > j and taken[i][0] == j]
-        if not rows:
-            break
+        rows = [i for i, k in enumerate(ks) if k > j]  # each has drafted j: none stopped yet
         for i in rows:
             taken[i][1] += 1
         if not any(live[i].sure(j) for i in rows):

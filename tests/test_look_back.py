@@ -65,9 +65,9 @@ def test_a_look_back_judges_what_drafting_would_have(agree_bundle, small_scout):
     drafter = ModelDrafter(rt.draft, window=24)
     drafter.start(prompt, 0, None)
     assert drafter.offer(seq, 1).unjudged == 20
-    assert drafter.look_back(seq) == (sum(expected), 20)
+    assert drafter.look_back(seq) == expected and len(expected) == 20
     assert list(rt.draft.held(0)) == [*prompt[:SINKS], *seq[len(prompt) - 8 + SINKS :]]
-    assert drafter.offer(seq, 1).unjudged == 0 and drafter.look_back(seq) == (0, 0)
+    assert drafter.offer(seq, 1).unjudged == 0 and drafter.look_back(seq) == []
 
 
 def test_a_look_back_far_behind_reads_the_last_look_back_tokens(llama, small_scout, monkeypatch):
@@ -81,7 +81,7 @@ def test_a_look_back_far_behind_reads_the_last_look_back_tokens(llama, small_sco
     drafter = ModelDrafter(llama.draft, window=24)
     drafter.start(prompt, 0, None)
     assert drafter.offer(seq, 1).unjudged == 7
-    assert drafter.look_back(seq)[1] == 7
+    assert len(drafter.look_back(seq)) == 7
     assert list(llama.draft.held(0)) == [*prompt[:SINKS], *seq[-8:]]
 
 
@@ -131,9 +131,9 @@ def test_after_a_long_prompt_a_batch_looks_back_before_it_drafts():
     assert [(d.k, d.look_back) for d in _ks(pair(), _pair(LOOK_BACK_AT))] == [(0, True)] * 2
     sure, doubtful = pair(), pair()
     for policy in sure:
-        policy.looked_back(LOOK_BACK_AT, LOOK_BACK_AT)
+        policy.looked_back(_guesses(LOOK_BACK_AT, LOOK_BACK_AT))
     for policy in doubtful:
-        policy.looked_back(LOOK_BACK_AT // 4, LOOK_BACK_AT)
+        policy.looked_back(_guesses(LOOK_BACK_AT // 4, LOOK_BACK_AT))
     assert min(d.k for d in _ks(sure, _pair(1))) >= 1
     assert [d.k for d in _ks(doubtful, _pair(1))] == [0, 0]
     for decision in [
@@ -157,7 +157,7 @@ def test_a_start_is_priced_at_the_floor_of_what_was_judged(monkeypatch):
         pool.observe("model", 20, 30, pool.member())  # the runtime's earlier drafts
         batch = [Adaptive(costs=costs, pool=pool) for _ in range(4)]
         for policy in batch:
-            policy.looked_back(12, 16)
+            policy.looked_back(_guesses(12, 16))
         contexts = [RoundContext(8, 1100, 100, lag=2, can_look=True)] * 4
         return [d.k for d in decide_together(batch, contexts, costs)]
 
@@ -179,7 +179,7 @@ def test_a_batch_at_k0_looks_back_at_a_share_of_its_wait():
         pool = PooledAcceptance()
         batch = [Adaptive(costs=costs, pool=pool) for _ in range(4)]
         for policy in batch:
-            policy.looked_back(9, 16)
+            policy.looked_back(_guesses(9, 16))
             policy.idle = idle
         ctx = RoundContext(8, 1100, 100, lag=31, unjudged=31, can_look=can_look)
         return [d for d in decide_together(batch, [ctx] * 4, costs) if d.k or d.look_back]
@@ -233,7 +233,7 @@ def test_a_batch_looks_back_at_the_request_judged_longest_ago(monkeypatch):
         pool = PooledAcceptance()
         batch = [Adaptive(costs=costs, pool=pool) for _ in range(4)]
         for policy in batch:
-            policy.looked_back(9, 16)
+            policy.looked_back(_guesses(9, 16))
             policy.idle = at + 20
         batch[0].idle = at
         contexts = [RoundContext(8, 1100, 100, lag=31, unjudged=31, can_look=True)] * 4
@@ -362,3 +362,8 @@ def test_past_its_opening_a_request_is_priced_without_its_openings_drafts(monkey
 
     assert k(OPENING) == 1
     assert k(10**9) == 0
+
+
+def _guesses(kept: int, judged: int) -> list[bool]:
+    """A look-back's guesses: `kept` of `judged` kept, the kept ones first."""
+    return [True] * kept + [False] * (judged - kept)

@@ -112,3 +112,25 @@ def test_after_a_long_prompt_a_batch_takes_k2_where_its_guesses_come_in_runs(mon
     assert decide() == [2, 2, 2, 2]
     monkeypatch.setattr(Adaptive, "shape", lambda self, source="model": None)
     assert decide() == [1, 1, 1, 1]
+
+
+def test_a_look_back_adds_its_guesses_to_the_runs_in_order():
+    """A recorded answer's first 40 guesses judged by one look-back, the token its round added
+    judged by the next draft step (as a bonus token), then drafting one token a round: the
+    runs are those of drafting one token a round from the start, every guess judged once in
+    order. An adaptive request after a long prompt, in a batch, adds its look-back's guesses
+    to its answer's part too (the opening's, which a batch waiting at K = 0 judges by
+    look-backs alone). Control: its runs before knew nothing of look-backs."""
+    guesses = replay.load(LONG)[12].agrees[1:]
+    looked, drafted = JudgedRuns(), JudgedRuns()
+    looked.looked(0, ["model"], guesses[:40])
+    looked.bonus(0, ["model"], guesses[40])
+    _drafted_at(looked, guesses[41:], 1)
+    _drafted_at(drafted, guesses, 1)
+    assert looked.runs["model"] == drafted.runs["model"] and looked.judged("model") > 100
+    policy = Adaptive(pool=PooledAcceptance())
+    policy.locate(RoundContext(8, 9000, 100, "model", 30, 29, True, 24), batch=4)
+    policy.looked_back(guesses[:24])
+    rejected = 24 - sum(guesses[:24])
+    assert policy.pool.runs.judged("model opening") == policy.pool.runs.judged("model") > 0
+    assert sum(ended for _, ended in policy.pool.runs.runs["model opening"]) == rejected - 1

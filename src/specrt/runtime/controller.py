@@ -20,6 +20,7 @@ sees and answers, and the protocol it follows, are policy.py's.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -305,11 +306,16 @@ class Adaptive:
             self._count(source, accepted, rejected)
             self.counted_at = k
 
-    def looked_back(self, kept: int, judged: int, source: str = "model") -> None:
+    def looked_back(self, guesses: Sequence[bool], source: str = "model") -> None:
         """What its look-back judged, counted as judged drafts (the same trials, see
-        `ModelDrafter.look_back`); the wait for the next look-back starts again."""
+        `ModelDrafter.look_back`) and, in order, as runs (an opening's runs come from
+        look-backs alone where its batch waits at K = 0 there); the wait for the next
+        look-back starts again."""
         self.idle = 0
-        self._count(source, kept, judged - kept)
+        kept = sum(guesses)
+        if source == "model" and self.pool is not None:
+            self.pool.runs.looked(self.member, self._run_keys(source), guesses)
+        self._count(source, kept, len(guesses) - kept)
         self.counted_at = 0
 
     def _count(self, source: str, accepted: int, rejected: int) -> None:

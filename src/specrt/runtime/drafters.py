@@ -178,10 +178,10 @@ class ModelDrafter:
         judged = self._judged(seq, held, self._looking(seq, held))
         return Offer("model", limit, len(seq) - view.skip - view.keep, unjudged=judged)
 
-    def look_back(self, seq: Sequence[int]) -> tuple[int, int]:
+    def look_back(self, seq: Sequence[int]) -> list[bool]:
         """Read what the draft model has not read (its last LOOK_BACK tokens where a scouted
         long prompt lets it skip the rest), and judge its guess at each emitted token there
-        against that token: (guesses kept, guesses judged). With greedy decoding
+        against that token: whether each was kept, in order. With greedy decoding
         a draft is kept exactly where the draft model's greedy guess, after the tokens the
         target emitted, is the token the target emits next, so these are the drafts that
         drafting would have had judged, at the price of the catch-up drafting would pay anyway
@@ -192,13 +192,12 @@ class ModelDrafter:
         self.offered = None
         feed, judged = self.unread(seq), self._judged(seq, held, self.skip)
         if not judged:
-            return 0, 0
+            return []
         last = self.engine.vocab_size - 1
         tokens = [min(token, last) for token in feed]
         logits = self.engine.forward_rows([(self.slot, tokens)], last=judged + 1)[0]
         guesses = logits[:judged, : self.ids].argmax(axis=-1)
-        kept = int(np.sum(guesses == np.asarray(seq[len(seq) - judged :])))
-        return kept, judged
+        return (guesses == np.asarray(seq[len(seq) - judged :])).tolist()
 
     def _looking(self, seq: Sequence[int], held: int) -> int:
         """The skip a look-back reads with: its own, or where a scouted long prompt's draft

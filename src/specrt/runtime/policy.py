@@ -38,10 +38,11 @@ class Policy(Protocol):
     A decision may ask a request at K = 0 to look back (`RoundContext.can_look`): its draft
     model then reads what it has not, and its guesses at the emitted tokens there are judged,
     as drafting would have had them judged (drafters.py's `ModelDrafter.look_back`). A policy
-    that asks is told what was judged by `looked_back(kept, judged, source)`. A policy with a
-    `bonus(kept, source)` method is told, before a round's `observe`, whether the draft
-    model's guess at the token the target added after its last round's drafts, all kept, was
-    that token (greedy, unconstrained; runs.py prices each K by such guesses in order).
+    that asks is told what was judged by `looked_back(guesses, source)`: whether each guess
+    was kept, in order. A policy with a `bonus(kept, source)` method is told, before a
+    round's `observe`, whether the draft model's guess at the token the target added after its
+    last round's drafts, all kept, was that token (greedy, unconstrained; runs.py prices each
+    K by such guesses in order).
     `observe` counts the drafts its request would have drafted alone: in a batch an unsure
     draft drafts on beside a sure one, uncounted (drafting.py's `draft_together`)."""
 

@@ -13,8 +13,10 @@ answer, in order, say what any fixed K would have kept there: a round starts aft
 guess (or after its bonus token) and keeps the run of kept guesses before the next rejection,
 up to K. Every emitted token's guess is judged once while a request drafts: its drafts by the
 target, and the token the target added after a round that kept them all (its bonus) by the
-draft model's next step, which reads that token after the last draft anyway (drafting.py). A
-stretch without drafts is a gap; a run is counted from its first rejection on.
+draft model's next step, which reads that token after the last draft anyway (drafting.py).
+A look-back judges the guesses at the tokens it catches up on, in order (drafters.py), so a
+batch that waits at K = 0 through its answers' openings still learns their runs. A stretch
+with neither is a gap; a run is counted from its first rejection on.
 
 `JudgedRuns` keeps a runtime's last judged guesses as runs of kept ones, each ended by a
 rejection or a gap, and `JudgedRuns.shape` turns them into one factor per K: the tokens a
@@ -87,6 +89,21 @@ class JudgedRuns:
                 run.kept += 1
             else:
                 self._close(key, run, True)
+
+    def looked(self, who: int, keys, guesses) -> None:
+        """A look-back's guesses by request `who`, kept or not, in order, after a gap (the
+        rounds it caught up on drafted none). The run they end in stays open: the token its
+        round's target adds awaits its judgement, as a bonus token does (the next round's
+        first draft step reads it after the last looked-back one)."""
+        for key in keys:
+            run = self.open.setdefault((who, key), _Open())
+            self._close(key, run, False)
+            for kept in guesses:
+                if kept:
+                    run.kept += 1
+                else:
+                    self._close(key, run, True)
+            run.pending = True
 
     def _close(self, key: str, run: _Open, rejected: bool) -> None:
         """End a run at a rejection (counted once anchored) or at a gap (its kept guesses

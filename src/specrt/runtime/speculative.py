@@ -120,8 +120,8 @@ def speculate(reqs: list[Sequence], target: Engine, costs: StepCosts) -> Round:
         accepted.append(n)
         emitted.append(kept)
         logprobs.append(entries)
-    for i, (kept, judged) in looks.items():
-        reqs[i].policy.looked_back(kept, judged, offers[i].source)
+    for i, guesses in looks.items():
+        reqs[i].policy.looked_back(guesses, offers[i].source)
     drafted = [len(p.tokens) for p in proposals]
     context = sum(c.position for c in contexts) / len(contexts)
     _observe_costs(costs, drafted, steps, t2 - t1, context)
@@ -184,7 +184,7 @@ def _draft_job(r: Sequence, k: int, room: int, offer: Offer) -> DraftJob:
 def _propose(reqs: list[Sequence], offers: list[Offer], decisions: list[Decision], rooms):
     """Each request's drafts (lookups alone, model drafts for all requests together), what
     the draft model's calls took (see `draft_together`), and by request, what its look-back
-    judged (guesses kept, judged)."""
+    judged (whether each guess was kept, in order)."""
     proposals = [Proposal() for _ in reqs]
     together, steps, looks = [], [], {}
     for i, (r, offer, decision) in enumerate(zip(reqs, offers, decisions, strict=True)):

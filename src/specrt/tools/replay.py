@@ -59,7 +59,7 @@ class Replay:
     tokens_per_s: float  # decoding only: prefill is left out
     ks: list[list[int]]  # per request, its K each round
     accepted: list[list[int]]  # per request, its drafts accepted each round
-    looks: list[list[tuple[int, int]]]  # per request, each look-back's (kept, judged)
+    looks: list[list[list[bool]]]  # per request, each look-back's guesses: kept or not
 
 
 def record(runtime, prompts: Sequence, max_new_tokens: int) -> list[Trace]:
@@ -143,7 +143,7 @@ class _Request:
     lag: int = field(init=False)  # tokens the draft model has not read
     ks: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
-    looks: list[tuple[int, int]] = field(default_factory=list)  # each look-back's (kept, judged)
+    looks: list[list[bool]] = field(default_factory=list)  # each look-back's guesses, kept or not
 
     def __post_init__(self):
         # at first what it reads of the prompt (ModelDrafter.start), and prefill's token
@@ -173,9 +173,8 @@ class _Request:
         up. Returns the call's seconds."""
         judged = self.unjudged
         read = max(self.lag, judged + 1)
-        kept = sum(self.trace.agrees[self.pos - judged : self.pos])
         self.lag = 1
-        self.looks.append((kept, judged))
+        self.looks.append(list(self.trace.agrees[self.pos - judged : self.pos]))
         return costs.draft_cost("model", 1, read)
 
     def draft(self, k: int) -> tuple[int, int]:
@@ -235,7 +234,7 @@ def _round(live: list[_Request], costs: StepCosts) -> float:
             r.policy.bonus(r.trace.agrees[r.pos - 1], "model")  # as draft_together judges it
         r.advance(d.k, drafted, steps, counted)
     for r in looking:
-        r.policy.looked_back(*r.looks[-1], "model")
+        r.policy.looked_back(r.looks[-1], "model")
     return seconds
 
 

@@ -86,10 +86,10 @@ def test_a_file_that_is_not_a_trace_says_so(tmp_path):
 
 
 def test_a_replayed_batch_after_a_long_prompt_looks_back_as_the_loop_does():
-    """Two requests after 2,000 tokens: each waits at K = 0 until LOOK_BACK_AT (24) emitted
+    """Two requests after 2,000 tokens: each waits at K = 0 until LOOK_BACK_AT (12) emitted
     tokens can be judged, then looks back (a draft call over its scout and those tokens) and
     counts the draft's agreement there as judged guesses, as the loop's look-back does; kept
-    18 of 24 on a flat curve, the batch then drafts. Control: a request alone learns by
+    three in four on a flat curve, the batch then drafts. Control: a request alone learns by
     drafting."""
     agrees = [i % 4 != 3 for i in range(LOOK_BACK_AT)] + [True] * 48
     trace = replay.Trace(2000, agrees, [1.0] * len(agrees))

@@ -30,7 +30,7 @@ K_MARGIN = 0.03  # options priced within this share of the best are equal: the f
 REFRESH_MARGIN = 1.15  # a stale call (costs.STALE_AFTER) is re-timed if it prices this close
 REFRESH_ALWAYS = 64  # ...and once this many rounds old, however far it prices (see `_refresh`)
 WARM_UP_K = 4  # drafts a round takes while a source cannot be priced yet
-LOOK_BACK_AT = 24  # emitted tokens a look-back waits for (an opening misleads, `_first_looks`)
+LOOK_BACK_AT = 12  # emitted tokens a look-back waits for (an opening misleads, `_first_looks`)
 ALPHA_TOP = 0.999  # acceptance is priced at most this (expected_tokens divides by 1 - alpha)
 
 
@@ -89,9 +89,14 @@ def _first_looks(policies, contexts, batch: int) -> dict[int, Decision]:
     recorded answers after long prompts (tests/data/acceptance-long-prompts.json), the
     draft's guesses at their first 32 tokens were kept 0.52 of the time and after them 0.62;
     a system prompt's first 16 flatter (0.73, the next 16 0.54), a summary's or a question's
-    discourage (0.49, the next 16 0.46). Replayed on them, 22 batches of 4 (with the stop at
-    ceilings, `_keep_course`): looking first at 16 tokens, 15 first turns ran under 0.97x the
-    best fixed K; at 24, 12."""
+    discourage (0.49, the next 16 0.46). Chosen at 24 on the policy of 9e6f6b5 (replayed,
+    first turns under 0.97x the best fixed K: 15 of 22 at 16, 12 at 24), the wait cost most
+    where drafting paid at once; since each K is priced by its runs (runs.py), 12 does
+    better: first turns 0.970x (11 under) -> 0.968x (9) on the 22 batches, 0.964x (7) ->
+    0.975x (5) at an AMX Xeon's curves, and after 8,000 tokens of a summary, 4 clients,
+    that Xeon's cold turn ran 1.01x fixed K = 2 where at 24 it ran 0.93-0.94x. A system
+    prompt's flattering opening costs its cold turn after 1,000 tokens instead (0.94x the
+    target alone, 14 rounds at K = 1 before its stop; 0.97x the cell)."""
     decisions = {}
     for i, (policy, ctx) in enumerate(zip(policies, contexts, strict=True)):
         if policy.looks_first(ctx, batch):

@@ -120,7 +120,7 @@ def test_a_look_back_adds_its_guesses_to_the_runs_in_order():
     runs are those of drafting one token a round from the start, every guess judged once in
     order. An adaptive request after a long prompt, in a batch, adds its look-back's guesses
     to its answer's part too (the opening's, which a batch waiting at K = 0 judges by
-    look-backs alone). Control: its runs before knew nothing of look-backs."""
+    look-backs alone)."""
     guesses = replay.load(LONG)[12].agrees[1:]
     looked, drafted = JudgedRuns(), JudgedRuns()
     looked.looked(0, ["model"], guesses[:40])

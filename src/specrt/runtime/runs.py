@@ -85,10 +85,7 @@ class JudgedRuns:
             if run is None or not run.pending:
                 continue
             run.pending = False
-            if kept:
-                run.kept += 1
-            else:
-                self._close(key, run, True)
+            self._judge(key, run, kept)
 
     def looked(self, who: int, keys, guesses) -> None:
         """A look-back's guesses by request `who`, kept or not, in order, after a gap (the
@@ -99,11 +96,15 @@ class JudgedRuns:
             run = self.open.setdefault((who, key), _Open())
             self._close(key, run, False)
             for kept in guesses:
-                if kept:
-                    run.kept += 1
-                else:
-                    self._close(key, run, True)
+                self._judge(key, run, kept)
             run.pending = True
+
+    def _judge(self, key: str, run: _Open, kept: bool) -> None:
+        """One more guess of a run in progress: kept, it lengthens the run; not, it ends it."""
+        if kept:
+            run.kept += 1
+        else:
+            self._close(key, run, True)
 
     def _close(self, key: str, run: _Open, rejected: bool) -> None:
         """End a run at a rejection (counted once anchored) or at a gap (its kept guesses

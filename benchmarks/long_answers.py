@@ -172,9 +172,10 @@ def _interleaved(runtimes: dict, calibrated: dict, prompts: list, answer: int, o
 
 
 def _turn(sequences: list, seconds: float) -> dict:
-    """One run's turn: its speed, K and drafts, and each request's K and drafts kept round by
-    round, so that a cell's course (where adaptive stopped, when it came back) can be read
-    from the JSON of a machine no longer at hand, not only from a trace run there."""
+    """One run's turn: its speed, K and drafts, and each request's K, drafts kept and the
+    controller's reason round by round, so that a cell's course (where adaptive stopped, why,
+    when it came back) can be read from the JSON of a machine no longer at hand, not only
+    from a trace run there."""
     stats = [s.result.stats for s in sequences]
     ks = [k for st in stats for k in st.ks]
     tokens = [s.result.token_ids for s in sequences]
@@ -186,6 +187,7 @@ def _turn(sequences: list, seconds: float) -> dict:
         "tokens": tokens[0] if len(tokens) == 1 else tokens,
         "k_by_round": [st.ks for st in stats],
         "kept_by_round": [st.accepted_counts for st in stats],
+        "reasons_by_round": [st.reasons for st in stats],
     }
 
 
@@ -203,6 +205,7 @@ def _mean(turns: list[dict]) -> dict:
         "turn_ks": [t["mean_k"] for t in turns],
         "k_by_round": [t["k_by_round"] for t in turns],
         "kept_by_round": [t["kept_by_round"] for t in turns],
+        "reasons_by_round": [t["reasons_by_round"] for t in turns],
         "tokens": tokens or turns[0]["tokens"],
     }
 

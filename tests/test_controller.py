@@ -482,6 +482,58 @@ def test_no_price_holds_the_target_alone_out_of_reach_for_good(monkeypatch):
     assert _drafting_rounds(dear(), truth, 0.75, rounds) == [4] * rounds
 
 
+# The 4-client curves after 8,000 tokens (tests/test_replay.py's AFTER) and the draft's.
+LONG_VERIFY = {1: 0.628, 2: 0.646, 3: 0.667, 4: 0.676, 8: 0.851, 12: 0.92, 16: 0.998, 36: 1.355}
+LONG_DRAFT = {1: 0.023, 2: 0.033, 4: 0.048, 8: 0.059, 16: 0.077, 32: 0.106}
+
+
+def _looking_rounds(costs: StepCosts, truth: StepCosts, rounds: int) -> list[int]:
+    """4 requests after a long prompt that learn by looking back, each having judged 40 of
+    its draft's guesses at 0.5, on `costs`, whose calls take what `truth` prices: how many
+    of them draft, round by round."""
+    batch = [Adaptive(costs=costs, prior_alpha=0.5, pool_weight=1e9) for _ in range(4)]
+    for policy in batch:
+        policy.looked_back([True, False] * 20)
+    ctx = RoundContext(8, 9000, 256, lag=2, unjudged=2, can_look=True, emitted=100)
+    ks = []
+    for _ in range(rounds):
+        decisions = decide_together(batch, [ctx] * 4, costs)
+        k = max(d.k for d in decisions)
+        costs.observe_verify(4 * (k + 1), truth.verify_cost(4 * (k + 1)))
+        for policy, decision in zip(batch, decisions, strict=True):
+            policy.observe(decision.k, decision.k // 2)
+        ks.append(sum(1 for d in decisions if d.k))
+    return ks
+
+
+def test_a_stopped_batch_that_looks_back_times_the_drafting_call_again(monkeypatch):
+    """After 8,000 tokens at 4 clients, a batch that learns by looking back, its drafts kept
+    half the time, with the 8-row call priced from one slow sample (25 % dear): K = 1 then
+    prices below the target alone, though it is 12 % faster. A look-back widens no call, so
+    nothing would time that call again; untimed for STALE_AFTER rounds, it is timed in one
+    round at K = 1, and the batch drafts from then on. Control: without the re-timing it
+    stays at K = 0 for good (the cold turn of an 8,000-token summary on an EPYC, 0.90x fixed
+    K = 1)."""
+    truth = StepCosts(draft=dict(LONG_DRAFT), verify=dict(LONG_VERIFY))
+
+    def dear() -> StepCosts:
+        costs = StepCosts(draft=dict(LONG_DRAFT), verify=dict(LONG_VERIFY))
+        for rows in (8, 12):  # both, since no count is priced above a larger one
+            costs.verify[rows] *= 1.25
+        return costs
+
+    lags = [(2, 256)] * 4
+    alone = 4 / truth.verify_cost(4)
+    k1 = price_round([1] * 4, [0.5] * 4, ["model"] * 4, lags, (), truth)[0]
+    k1_dear = price_round([1] * 4, [0.5] * 4, ["model"] * 4, lags, (), dear())[0]
+    assert k1 > 1.1 * alone and k1_dear < alone < REFRESH_MARGIN * k1_dear
+    ks = _looking_rounds(dear(), truth, 3 * STALE_AFTER)
+    assert ks[:STALE_AFTER] == [0] * STALE_AFTER and ks[STALE_AFTER] == 4  # the re-timing round
+    assert ks[STALE_AFTER + 1 :] == [4] * (2 * STALE_AFTER - 1)
+    monkeypatch.setattr("specrt.runtime.joint.REFRESH_MARGIN", 0.0)
+    assert _looking_rounds(dear(), truth, 3 * STALE_AFTER) == [0] * 3 * STALE_AFTER
+
+
 def test_a_stale_count_takes_a_faster_time_and_half_a_slower_one():
     costs = StepCosts(verify={4: 0.30, 8: 0.40})
     for _ in range(STALE_AFTER):

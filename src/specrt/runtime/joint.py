@@ -192,7 +192,7 @@ def _priced(policies, contexts, capped, costs: StepCosts, others) -> list[Decisi
         )
         bounds = _bounds(policies, sources, alphas, price)
     chosen = _keep_course(options, sources, drafting, bounds)
-    refresh = _refresh(options, chosen, sources, others, costs)
+    refresh = _refresh(options, chosen, sources, others, costs, looking=bounds is not None)
     rate, draft, verify, ks = refresh or chosen
     base = costs.verify_cost(batch)  # the batch's call at K = 0
     shares = f"c_draft(K)/c_verify={draft / base:.2f} c_verify(K)/c_verify(0)={verify / base:.2f}"
@@ -203,7 +203,8 @@ def _priced(policies, contexts, capped, costs: StepCosts, others) -> list[Decisi
     ]
     if refresh:
         age = costs.verify_age(verify_rows(ks, others))
-        reasons = [f"{why}; re-timing the call without drafts, {age} rounds old" for why in reasons]
+        call = f"at K = {max(ks)}" if _model_drafts(refresh, sources) else "without drafts"
+        reasons = [f"{why}; re-timing the call {call}, {age} rounds old" for why in reasons]
         for policy, source in zip(policies, sources, strict=True):
             policy.refreshing = source == "model"
     return _probed(policies, contexts, caps, reasons, costs, others, (rate, draft, verify, ks))
@@ -358,25 +359,34 @@ def _keep_course(options: list[tuple], sources: Sequence[str], drafting: bool, b
     return chosen if switch else stay
 
 
-def _refresh(options: list[tuple], chosen: tuple, sources: Sequence[str], others, costs):
-    """The best option without the model's drafts, for one round, where the chosen one drafts
-    by the model and its verify call was last timed STALE_AFTER rounds ago or more, if it
-    prices within REFRESH_MARGIN of the chosen one, or REFRESH_ALWAYS rounds ago whatever its
-    price; else None. Only the calls in use are timed again, and a shared machine's speed
-    drifts by tens of percent within minutes: at 4 clients the target alone's call kept the
-    price of a slow spell (187 ms where its rounds took 167) while the drafting rounds were
-    timed afresh, and adaptive drafted at 0.93x the target alone. One round in STALE_AFTER
-    costs at most a sixth of a round. A price further off than the margin (a spell 30 % slow,
-    or a drift the drafting counts learnt that the call without drafts does not share) was
-    never timed again, and the batch drafted at a loss for good (tests/test_controller.py's
-    case). One round in REFRESH_ALWAYS bounds how long any price holds the target alone out of
-    reach, for at most a 64th of a round's gain."""
-    if not _model_drafts(chosen, sources):
+def _refresh(options: list[tuple], chosen: tuple, sources, others, costs, looking: bool):
+    """The best option on the other side of the course, for one round: without the model's
+    drafts where the chosen one drafts by the model, and with them where it does not and
+    the batch learns by looking back (`looking`); where that option's verify call was last
+    timed STALE_AFTER rounds ago or more, if it prices within REFRESH_MARGIN of the chosen
+    one, or REFRESH_ALWAYS rounds ago whatever its price; else None. Only the calls in use
+    are timed again, and a shared machine's speed drifts by tens of percent within minutes:
+    at 4 clients the target alone's call kept the price of a slow spell (187 ms where its
+    rounds took 167) while the drafting rounds were timed afresh, and adaptive drafted at
+    0.93x the target alone. One round in STALE_AFTER costs at most a sixth of a round. A
+    price further off than the margin (a spell 30 % slow, or a drift the drafting counts
+    learnt that the call without drafts does not share) was never timed again, and the batch
+    drafted at a loss for good (tests/test_controller.py's case). One round in
+    REFRESH_ALWAYS bounds how long any price holds the other course out of reach, for at
+    most a 64th of a round's gain. The other way round too, where a batch learns by looking
+    back: a look-back widens no call, so no probe times the drafting call again, and after
+    8,000 tokens of a summary at 4 clients (2-core EPYC) the cold turn's one round at K = 1
+    after its first look-back, the first 8-row call at that context, priced K = 1 below the
+    target alone; the batch never drafted again (114 rounds at K = 0, 0.90x fixed K = 1),
+    where in another run of the same cell the first such call was timed at 1.02x the 4-row
+    call and the turn drafted at 1.05x fixed K = 1."""
+    drafts = _model_drafts(chosen, sources)
+    if not drafts and not looking:  # a probe times the drafting call (`_probed`)
         return None
-    alone = [option for option in options if not _model_drafts(option, sources)]
-    if not alone:
+    other = [option for option in options if _model_drafts(option, sources) != drafts]
+    if not other:
         return None
-    best = _best(alone)
+    best = _best(other)
     age = costs.verify_age(verify_rows(best[3], others))
     close = age >= STALE_AFTER and REFRESH_MARGIN * best[0] >= chosen[0]
     return best if close or age >= REFRESH_ALWAYS else None

@@ -534,6 +534,34 @@ def test_a_stopped_batch_that_looks_back_times_the_drafting_call_again(monkeypat
     assert _looking_rounds(dear(), truth, 3 * STALE_AFTER) == [0] * 3 * STALE_AFTER
 
 
+def test_a_first_time_after_a_long_prompt_is_priced_as_the_calls_around_it():
+    """After 8,000 tokens at 4 clients (2-core EPYC), each turn's first 8-row call took
+    2.3-2.5x the 4-row call, the next ones 1.07x. Timed once there, the 8-row call is priced
+    at most as the calls around it say (the 4-row call timed there, with calibration's gap
+    to the wider ones), so 4 clients at acceptance 0.5 draft the next round, and its time
+    replaces the first where faster. Control: the same time taken twice is the call's price,
+    and the batch stays at K = 0."""
+    calibrated = gguf_costs()
+
+    def after(times: list[float]) -> StepCosts:
+        costs = StepCosts(draft=dict(calibrated.draft), verify=dict(calibrated.verify))
+        for _ in range(12):
+            costs.observe_verify(4, 0.36, context=8040)
+        for seconds in times:
+            costs.observe_verify(8, seconds, context=8040)
+        return costs
+
+    def ks(costs: StepCosts) -> list[int]:
+        batch = [Adaptive(costs=costs, prior_alpha=0.5, pool_weight=1e9) for _ in range(4)]
+        return [d.k for d in decide_together(batch, [RoundContext(8, 8040, 100, lag=2)] * 4, costs)]
+
+    once = after([2.3 * 0.36])
+    assert once.verify_cost(8) < 1.3 * 0.36 and ks(once) == [1] * 4
+    assert after([2.3 * 0.36, 1.07 * 0.36]).verify_cost(8) == pytest.approx(1.07 * 0.36)
+    twice = after([2.3 * 0.36] * 2)
+    assert twice.verify_cost(8) == pytest.approx(2.3 * 0.36) and ks(twice) == [0] * 4
+
+
 def test_a_stale_count_takes_a_faster_time_and_half_a_slower_one():
     costs = StepCosts(verify={4: 0.30, 8: 0.40})
     for _ in range(STALE_AFTER):
@@ -644,8 +672,8 @@ def test_a_wide_call_not_timed_after_a_long_prompt_is_tried(monkeypatch):
 def test_the_call_without_drafts_is_priced_from_a_wider_call_timed_after_a_long_prompt(
     monkeypatch,
 ):
-    """One request after 1,000 tokens, its first round at K = 1 rejected (acceptance 0.55
-    now), its 2-row call timed there at 135 ms (first-call slow; 105 after). The call without
+    """One request after 1,000 tokens, its first rounds at K = 1 rejected (acceptance 0.55
+    now), its 2-row call timed there at 135 ms twice (first-call slow; 105 after). The call without
     drafts, not timed there yet, is priced as that call less calibration's 15 ms between the
     two (120 ms; it takes 93), so K = 1 still earns more and the request drafts on. Control:
     priced at its calibration (80 ms), K = 0 looked 1.3x better and the request stopped after
@@ -653,7 +681,8 @@ def test_the_call_without_drafts_is_priced_from_a_wider_call_timed_after_a_long_
 
     def k() -> int:
         costs = StepCosts(draft={1: 0.022}, verify={1: 0.080, 2: 0.095, 3: 0.117, 4: 0.13})
-        costs.observe_verify(2, 0.135, context=1048)
+        for _ in range(2):  # once, it would be priced as the calls around it (`curve`)
+            costs.observe_verify(2, 0.135, context=1048)
         policy = Adaptive(costs=costs, prior_alpha=0.7)
         policy.observe(1, 0)
         return policy.decide(RoundContext(8, 1050, 100, lag=2)).k

@@ -376,10 +376,10 @@ def _refresh(options: list[tuple], chosen: tuple, sources, others, costs, lookin
     most a 64th of a round's gain. The other way round too, where a batch learns by looking
     back: a look-back widens no call, so no probe times the drafting call again, and after
     8,000 tokens of a summary at 4 clients (2-core EPYC) the cold turn's one round at K = 1
-    after its first look-back, the first 8-row call at that context, priced K = 1 below the
-    target alone; the batch never drafted again (114 rounds at K = 0, 0.90x fixed K = 1),
-    where in another run of the same cell the first such call was timed at 1.02x the 4-row
-    call and the turn drafted at 1.05x fixed K = 1."""
+    after its first look-back timed the 8-row call at 2.29x the 4-row call (1.07x when timed
+    again), and the batch never drafted again (114 rounds at K = 0, 0.90x fixed K = 1). Such
+    a first time is now priced as the calls around it (costs.py's `curve`); this bounds any
+    other price that holds a look-back batch at K = 0."""
     drafts = _model_drafts(chosen, sources)
     if not drafts and not looking:  # a probe times the drafting call (`_probed`)
         return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from fixed_costs import flat_costs, gguf_costs
+from test_replay import AFTER, DRAFT
 
 from specrt.runtime import SpeculativeRuntime
 from specrt.runtime.controller import Adaptive, Fixed, Heuristic, make_controller
@@ -423,13 +424,20 @@ def _drafting_rounds(costs: StepCosts, truth: StepCosts, alpha: float, rounds: i
     many of them draft, round by round (each request's estimate held at alpha; one drafting
     alone is a probe)."""
     batch = [Adaptive(costs=costs, prior_alpha=alpha, pool_weight=1e9) for _ in range(4)]
+    return _rounds(batch, RoundContext(8, 100, 256, lag=2), costs, truth, rounds, kept=1.0)
+
+
+def _rounds(batch, ctx, costs: StepCosts, truth: StepCosts, rounds: int, kept: float) -> list:
+    """How many of `batch` draft, round by round, each at `ctx`, on `costs`, whose calls take
+    what `truth` prices, each round keeping `kept` of its drafts (rounded down)."""
     ks = []
     for _ in range(rounds):
-        decisions = decide_together(batch, [RoundContext(8, 100, 256, lag=2)] * 4, costs)
+        decisions = decide_together(batch, [ctx] * len(batch), costs)
         k = max(d.k for d in decisions)
-        costs.observe_verify(4 * (k + 1), truth.verify_cost(4 * (k + 1)))
+        rows = len(batch) * (k + 1)
+        costs.observe_verify(rows, truth.verify_cost(rows))
         for policy, decision in zip(batch, decisions, strict=True):
-            policy.observe(decision.k, decision.k)
+            policy.observe(decision.k, int(decision.k * kept))
         ks.append(sum(1 for d in decisions if d.k))
     return ks
 
@@ -482,11 +490,6 @@ def test_no_price_holds_the_target_alone_out_of_reach_for_good(monkeypatch):
     assert _drafting_rounds(dear(), truth, 0.75, rounds) == [4] * rounds
 
 
-# The 4-client curves after 8,000 tokens (tests/test_replay.py's AFTER) and the draft's.
-LONG_VERIFY = {1: 0.628, 2: 0.646, 3: 0.667, 4: 0.676, 8: 0.851, 12: 0.92, 16: 0.998, 36: 1.355}
-LONG_DRAFT = {1: 0.023, 2: 0.033, 4: 0.048, 8: 0.059, 16: 0.077, 32: 0.106}
-
-
 def _looking_rounds(costs: StepCosts, truth: StepCosts, rounds: int) -> list[int]:
     """4 requests after a long prompt that learn by looking back, each having judged 40 of
     its draft's guesses at 0.5, on `costs`, whose calls take what `truth` prices: how many
@@ -495,29 +498,21 @@ def _looking_rounds(costs: StepCosts, truth: StepCosts, rounds: int) -> list[int
     for policy in batch:
         policy.looked_back([True, False] * 20)
     ctx = RoundContext(8, 9000, 256, lag=2, unjudged=2, can_look=True, emitted=100)
-    ks = []
-    for _ in range(rounds):
-        decisions = decide_together(batch, [ctx] * 4, costs)
-        k = max(d.k for d in decisions)
-        costs.observe_verify(4 * (k + 1), truth.verify_cost(4 * (k + 1)))
-        for policy, decision in zip(batch, decisions, strict=True):
-            policy.observe(decision.k, decision.k // 2)
-        ks.append(sum(1 for d in decisions if d.k))
-    return ks
+    return _rounds(batch, ctx, costs, truth, rounds, kept=0.5)
 
 
 def test_a_stopped_batch_that_looks_back_times_the_drafting_call_again(monkeypatch):
-    """After 8,000 tokens at 4 clients, a batch that learns by looking back, its drafts kept
-    half the time, with the 8-row call priced from one slow sample (25 % dear): K = 1 then
-    prices below the target alone, though it is 12 % faster. A look-back widens no call, so
-    nothing would time that call again; untimed for STALE_AFTER rounds, it is timed in one
-    round at K = 1, and the batch drafts from then on. Control: without the re-timing it
-    stays at K = 0 for good (the cold turn of an 8,000-token summary on an EPYC, 0.90x fixed
-    K = 1)."""
-    truth = StepCosts(draft=dict(LONG_DRAFT), verify=dict(LONG_VERIFY))
+    """After 8,000 tokens at 4 clients (tests/test_replay.py's curves), a batch that learns
+    by looking back, its drafts kept half the time, with the 8-row call priced from one slow
+    sample (25 % dear): K = 1 then prices below the target alone, though it is 12 % faster.
+    A look-back widens no call, so nothing would time that call again; untimed for
+    STALE_AFTER rounds, it is timed in one round at K = 1, and the batch drafts from then on.
+    Control: without the re-timing it stays at K = 0 for good (the cold turn of an
+    8,000-token summary on an EPYC, 0.90x fixed K = 1)."""
+    truth = StepCosts(draft=dict(DRAFT), verify=dict(AFTER[8000]))
 
     def dear() -> StepCosts:
-        costs = StepCosts(draft=dict(LONG_DRAFT), verify=dict(LONG_VERIFY))
+        costs = StepCosts(draft=dict(DRAFT), verify=dict(AFTER[8000]))
         for rows in (8, 12):  # both, since no count is priced above a larger one
             costs.verify[rows] *= 1.25
         return costs
@@ -673,8 +668,8 @@ def test_the_call_without_drafts_is_priced_from_a_wider_call_timed_after_a_long_
     monkeypatch,
 ):
     """One request after 1,000 tokens, its first rounds at K = 1 rejected (acceptance 0.55
-    now), its 2-row call timed there at 135 ms twice (first-call slow; 105 after). The call without
-    drafts, not timed there yet, is priced as that call less calibration's 15 ms between the
+    now), its 2-row call timed there at 135 ms twice (first-call slow; 105 after). The call
+    without drafts, not timed there yet, is priced as that call less calibration's 15 ms between the
     two (120 ms; it takes 93), so K = 1 still earns more and the request drafts on. Control:
     priced at its calibration (80 ms), K = 0 looked 1.3x better and the request stopped after
     one round (AMX Xeon, a summary of a 1,000-token file: 15 rounds at K = 0 from its second)."""

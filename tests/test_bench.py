@@ -142,7 +142,8 @@ def test_the_load_benchmark_reports_every_config_at_every_concurrency(
 ):
     """`specrt bench --concurrency` on a tiny int4 target: every configuration at every level,
     with the figures the results file promises, and every output equal to its run alone. Each
-    run starts from the costs calibrated at load, not from what the run before it timed."""
+    run starts from the costs calibrated at load, not from what the run before it timed;
+    adaptive's entries keep each request's course round by round (K, kept, reason)."""
     from click.testing import CliRunner
 
     from specrt.cli import cli
@@ -173,6 +174,12 @@ def test_the_load_benchmark_reports_every_config_at_every_concurrency(
         assert entry["requests"] == max(4, 2 * entry["concurrency"])
         assert entry["tokens"] == 6 * entry["requests"]
     assert next(e for e in entries if e["name"].startswith("target_only"))["mean_k"] == 0
+    for entry in entries:  # adaptive's course round by round, and no one else's
+        rounds = entry.get("by_request", [])
+        assert len(rounds) == (entry["requests"] if entry["config"] == "adaptive" else 0)
+        for request in rounds:
+            assert len(request["reasons"]) == len(request["k_by_round"]) > 0
+            assert len(request["kept_by_round"]) == len(request["k_by_round"])
     assert {g["concurrency"] for g in report["goals"]} == {1, 3}
     assert "| adaptive_d-int8_t-int4 |" in (tmp_path / "load.md").read_text()
     assert (tmp_path / "load.png").read_bytes()[:4] == b"\x89PNG"

@@ -29,6 +29,8 @@ class Served:
     tokens: list[int]
     latencies: list[float]  # seconds per token after the first
     ks: tuple[int, ...] = ()  # the K of each speculative round (specrt's)
+    kept: tuple[int, ...] = ()  # the drafts each round kept
+    reasons: tuple[str, ...] = ()  # the controller's reason for each round's K
 
 
 def run_level(
@@ -72,6 +74,8 @@ def run_level(
                         generation.result.token_ids,
                         stats.token_latencies(),
                         tuple(stats.ks),
+                        tuple(stats.accepted_counts),
+                        tuple(stats.reasons),
                     )
                 )
     return _figures(done, alone, time.perf_counter() - start)
@@ -113,6 +117,11 @@ def _figures(done: list[Served], alone: dict[int, list[int]], seconds: float) ->
     latencies = [x for s in done for x in s.latencies]
     ks = [k for s in done for k in s.ks]
     same = [s.tokens == alone[s.index] for s in done]
+    rounds = [
+        {"prompt": s.index, "k_by_round": s.ks, "kept_by_round": s.kept, "reasons": s.reasons}
+        for s in done
+        if s.reasons
+    ]
     return {
         "requests": len(done),
         "tokens": tokens,
@@ -125,4 +134,5 @@ def _figures(done: list[Served], alone: dict[int, list[int]], seconds: float) ->
         "mean_k": float(np.mean(ks)) if ks else 0.0,
         "identical_to_alone": all(same),
         "mismatches": same.count(False),
+        **({"by_request": rounds} if rounds else {}),
     }

@@ -174,12 +174,15 @@ def test_the_load_benchmark_reports_every_config_at_every_concurrency(
         assert entry["requests"] == max(4, 2 * entry["concurrency"])
         assert entry["tokens"] == 6 * entry["requests"]
     assert next(e for e in entries if e["name"].startswith("target_only"))["mean_k"] == 0
-    for entry in entries:  # adaptive's course round by round, and no one else's
-        rounds = entry.get("by_request", [])
-        assert len(rounds) == (entry["requests"] if entry["config"] == "adaptive" else 0)
-        for request in rounds:
-            assert len(request["reasons"]) == len(request["k_by_round"]) > 0
-            assert len(request["kept_by_round"]) == len(request["k_by_round"])
+    for entry in entries:  # adaptive's course round by round in every run, and no one else's
+        runs = entry.get("by_request_runs", [])
+        assert "by_request" not in entry
+        assert len(runs) == (2 if entry["config"] == "adaptive" else 0)
+        for request in (request for run in runs for request in run):
+            ks = request["k_by_round"]
+            assert len(request["kept_by_round"]) == len(ks) > 0
+            turned = {str(i) for i in range(1, len(ks)) if ks[i] != ks[i - 1]}
+            assert {"0", *turned} <= set(request["why"]) <= set(map(str, range(len(ks))))
     assert {g["concurrency"] for g in report["goals"]} == {1, 3}
     assert "| adaptive_d-int8_t-int4 |" in (tmp_path / "load.md").read_text()
     assert (tmp_path / "load.png").read_bytes()[:4] == b"\x89PNG"

@@ -154,9 +154,12 @@ def _bundle_entries(rt, ids, alone, levels, max_new_tokens, repeat, only, log: L
     second turn, after the fixed-K runs, drafted (mean K 0.52, 0.80x the target alone, the best
     there); from the calibrated costs neither turn drafted. The acceptance pool is kept, as a
     server keeps it: what the draft accepts on these prompts is the workload's, not a run's.
-    Adaptive's median run keeps each request's K, drafts kept and the controller's reason round
-    by round, so that where it stopped and why can be read from the JSON of a machine no longer
-    at hand (at 4 clients on an EPYC it stayed at K = 0 where fixed K = 1 ran 1.11x)."""
+    Adaptive's entries keep each run's course (`by_request_runs`, by turn): every request's K
+    and drafts kept round by round, and the controller's reasons where K turned, so that where
+    it stopped and why can be read from the JSON of a machine no longer at hand (at 4 clients
+    on an EPYC it stayed at K = 0 where fixed K = 1 ran 1.11x). The median run's alone missed
+    the turn that lost: on a Xeon, 4 clients' worst turn drafted at K 1.59 (0.90x the target
+    alone), and the median, at K 0.15, said nothing of it."""
     calibrated = rt.costs
     label = rt.bundle.precision_label
     configs = {
@@ -181,8 +184,10 @@ def _bundle_entries(rt, ids, alone, levels, max_new_tokens, repeat, only, log: L
         for level in levels:
             entry = {"name": name, "config": config, "bundle": label, "concurrency": level}
             entry |= {**_median(runs[name, level]), "rss_mb": current_rss_mb()}
-            if config != "adaptive":  # only adaptive's rounds have a course worth reading
-                entry.pop("by_request", None)
+            courses = [run.pop("by_request", []) for run in runs[name, level]]
+            entry.pop("by_request", None)
+            if config == "adaptive":  # only adaptive's rounds have a course worth reading
+                entry["by_request_runs"] = courses
             entries.append(entry)
     return entries
 

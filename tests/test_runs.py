@@ -10,7 +10,7 @@ import pytest
 from fixed_costs import FixedCosts
 from test_replay import DRAFT, LONG
 
-from specrt.runtime import SpeculativeRuntime
+from specrt.runtime import SpeculativeRuntime, joint
 from specrt.runtime.controller import Adaptive
 from specrt.runtime.drafters import ModelDrafter
 from specrt.runtime.drafting import DraftJob, draft_together
@@ -91,7 +91,9 @@ def test_after_a_long_prompt_a_batch_takes_k2_where_its_guesses_come_in_runs(mon
     bonus tokens judged), on curves where a round at K = 2 prices within the tie margin of
     one at K = 1 from their acceptance: priced by their runs, the batch drafts K = 2, where a
     fixed K = 2 yields 1.93 tokens a round on the same guesses and the independent price
-    from K = 1's acceptance (0.54) 1.83. Control: priced as independent drafts, K = 1."""
+    from K = 1's acceptance (0.54) 1.83. Control: priced as independent drafts, K = 1. Both at
+    the full tie margin (its shrinking by the runs' evidence is test_replay's)."""
+    monkeypatch.setattr(joint, "_margin", lambda policies, sources: joint.K_MARGIN)
     verify = {1: 0.628, 2: 0.646, 4: 0.66, 8: 0.70, 12: 0.80, 16: 0.998, 36: 1.355}
     costs = FixedCosts(draft=DRAFT, verify=verify)
 

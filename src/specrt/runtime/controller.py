@@ -278,6 +278,13 @@ class Adaptive:
         key = part if part is not None and runs.judged(part) >= PART_AFTER else source
         return runs.shape(key, self.counted_at, self.k_model)
 
+    def evidence(self, source: str = "model") -> int:
+        """Rejections its runtime's runs of that draft hold, over every part of the answers
+        (runs.py): 0 for a free source or without a pool."""
+        if source != "model" or self.pool is None:
+            return 0
+        return self.pool.runs.rejections(source)
+
     def bonus(self, kept: bool, source: str = "model") -> None:
         """The draft model's guess at the token the target added after its last round's drafts,
         all kept, judged by the step that read it (drafting.py): the next guess in order."""

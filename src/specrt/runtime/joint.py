@@ -16,6 +16,7 @@ from specrt.runtime.costs import STALE_AFTER, StepCosts
 from specrt.runtime.policy import Decision, Policy, RoundContext
 from specrt.runtime.pool import wilson
 from specrt.runtime.pricing import ROUND_LAG, price_round, verify_rows
+from specrt.runtime.runs import PRIOR
 
 if TYPE_CHECKING:
     from specrt.runtime.controller import Adaptive
@@ -27,6 +28,7 @@ PROBE_HOPELESS = 64  # ...or this many, where no probe it could pass would chang
 LOOK_SHARE = 0.01  # a look-back's share instead: it judges a guess a token waited, not one
 SWITCH_GAIN = 1.05  # a batch starts or stops the model's drafts only for this much more tok/s
 K_MARGIN = 0.03  # options priced within this share of the best are equal: the fewest drafts win
+#   (less the more rejections the runs behind their prices hold, see `_margin`)
 REFRESH_MARGIN = 1.15  # a stale call (costs.STALE_AFTER) is re-timed if it prices this close
 REFRESH_ALWAYS = 64  # ...and once this many rounds old, however far it prices (see `_refresh`)
 WARM_UP_K = 4  # drafts a round takes while a source cannot be priced yet
@@ -191,8 +193,9 @@ def _priced(policies, contexts, capped, costs: StepCosts, others) -> list[Decisi
             price_round, sources=sources, lags=lags, others=others, costs=costs, shapes=shapes
         )
         bounds = _bounds(policies, sources, alphas, price)
-    chosen = _keep_course(options, sources, drafting, bounds)
-    refresh = _refresh(options, chosen, sources, others, costs, looking=bounds is not None)
+    margin = _margin(policies, sources)
+    chosen = _keep_course(options, sources, drafting, bounds, margin)
+    refresh = _refresh(options, chosen, sources, others, costs, bounds is not None, margin)
     rate, draft, verify, ks = refresh or chosen
     base = costs.verify_cost(batch)  # the batch's call at K = 0
     shares = f"c_draft(K)/c_verify={draft / base:.2f} c_verify(K)/c_verify(0)={verify / base:.2f}"
@@ -325,7 +328,7 @@ def _bounds(policies, sources, alphas, price) -> tuple:
     return functools.partial(price, alphas=floors), functools.partial(price, alphas=ceilings)
 
 
-def _keep_course(options: list[tuple], sources: Sequence[str], drafting: bool, bounds=None):
+def _keep_course(options, sources: Sequence[str], drafting: bool, bounds=None, margin=K_MARGIN):
     """The best priced option (rate, draft, verify, ks; see `_best`), unless it starts
     or stops the model's drafts for less than SWITCH_GAIN over the best option that does not.
     Where the batch learns by looking back (`bounds`, see `_bounds`), a start is priced at the
@@ -345,11 +348,11 @@ def _keep_course(options: list[tuple], sources: Sequence[str], drafting: bool, b
     model alone caught up, 4 clients at acceptance 0.3 drafted on after it where K = 0 priced
     5 % better (tests/test_controller.py's case)."""
 
-    chosen = _best(options)
+    chosen = _best(options, margin)
     same = [option for option in options if _model_drafts(option, sources) == drafting]
     if _model_drafts(chosen, sources) == drafting or not same:
         return chosen
-    stay = _best(same)
+    stay = _best(same, margin)
     if bounds is None:
         switch = chosen[0] > SWITCH_GAIN * stay[0]
     elif drafting:
@@ -359,7 +362,7 @@ def _keep_course(options: list[tuple], sources: Sequence[str], drafting: bool, b
     return chosen if switch else stay
 
 
-def _refresh(options: list[tuple], chosen: tuple, sources, others, costs, looking: bool):
+def _refresh(options, chosen: tuple, sources, others, costs, looking: bool, margin=K_MARGIN):
     """The best option on the other side of the course, for one round: without the model's
     drafts where the chosen one drafts by the model, and with them where it does not and
     the batch learns by looking back (`looking`); where that option's verify call was last
@@ -386,21 +389,38 @@ def _refresh(options: list[tuple], chosen: tuple, sources, others, costs, lookin
     other = [option for option in options if _model_drafts(option, sources) != drafts]
     if not other:
         return None
-    best = _best(other)
+    best = _best(other, margin)
     age = costs.verify_age(verify_rows(best[3], others))
     close = age >= STALE_AFTER and REFRESH_MARGIN * best[0] >= chosen[0]
     return best if close or age >= REFRESH_ALWAYS else None
 
 
-def _best(options: list[tuple]) -> tuple:
-    """The option with the fewest drafts of those priced within K_MARGIN of the best. A price
+def _best(options: list[tuple], margin: float = K_MARGIN) -> tuple:
+    """The option with the fewest drafts of those priced within `margin` of the best. A price
     errs more the more a round drafts (each step's seconds; an acceptance's error compounds in
     alpha^K), so the best of near-equal prices is mostly the most flattered: at 2 clients the
     policy took K = 3 on a 3 % edge where it realised 55-59 ms a token against K = 1's 53.5
     (0.93-0.96x the best fixed K)."""
     top = max(option[0] for option in options)
-    near = [option for option in options if (1 + K_MARGIN) * option[0] >= top]
+    near = [option for option in options if (1 + margin) * option[0] >= top]
     return min(near, key=lambda option: (sum(option[3]), -option[0]))
+
+
+def _margin(policies, sources) -> float:
+    """K_MARGIN, shrunk as the runs' factors are (runs.py: PRIOR rejections' worth of doubt) by
+    the fewest rejections a model-drafting request's runtime judged of its draft: the margin
+    stands for how far a price may flatter, and the runs of the draft's guesses, in order, say
+    what each K keeps on them. Held at 3 % where the runs held some 470 rejections (1,024
+    guesses at 0.54 kept), after 8,000 tokens of a summary at 4 clients a Xeon without AMX
+    kept K = 1 where fixed K = 2 ran 2.9 % faster: K = 2's edge, priced exactly, was 2-3 %.
+    Replayed on those answers at an AMX Xeon's curves, the warm turns went from 0.953x and
+    0.971x the best fixed K to 0.981x and 0.979x (counted in the runs of the request's part of
+    its answer alone, 0.971x and 0.975x); short prompts at 1/2/4/8 clients from 0.994/0.973/
+    1.00/1.00 to 0.997/0.977/1.00/1.00; 22 batches after long prompts stayed at 0.997x (their
+    lowest warm turn 0.969x -> 0.965x, first turns 0.971x -> 0.970x). A request whose
+    runtime judged nothing keeps all of it."""
+    judged = [p.evidence(s) for p, s in zip(policies, sources, strict=True) if s == "model"]
+    return K_MARGIN * PRIOR / (PRIOR + min(judged, default=0))
 
 
 def _model_drafts(option: tuple, sources: Sequence[str]) -> bool:

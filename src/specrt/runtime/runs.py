@@ -124,6 +124,10 @@ class JudgedRuns:
         """Guesses the runs of `key` hold."""
         return self.totals.get(key, 0)
 
+    def rejections(self, key: str) -> int:
+        """Rejections the runs of `key` hold: the evidence behind its shape (see `_shape`)."""
+        return sum(rejected for _, rejected in self.runs.get(key, ()))
+
     def shape(self, key: str, counted_at: int, k_max: int) -> list[float]:
         """One factor per K from 0 to k_max (1 at K = 0 and K = 1): what a round at K yields
         on these runs over `expected_tokens` at the acceptance a request drafting `counted_at`

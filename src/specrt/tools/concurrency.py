@@ -183,9 +183,8 @@ def _bundle_entries(rt, ids, alone, levels, max_new_tokens, repeat, only, log: L
     for name, (config, _) in configs.items():
         for level in levels:
             entry = {"name": name, "config": config, "bundle": label, "concurrency": level}
-            entry |= {**_median(runs[name, level]), "rss_mb": current_rss_mb()}
             courses = [run.pop("by_request", []) for run in runs[name, level]]
-            entry.pop("by_request", None)
+            entry |= {**_median(runs[name, level]), "rss_mb": current_rss_mb()}
             if config == "adaptive":  # only adaptive's rounds have a course worth reading
                 entry["by_request_runs"] = courses
             entries.append(entry)

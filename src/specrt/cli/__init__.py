@@ -36,6 +36,7 @@ for _command in (
     tools.demo,
     bench.replay_command,
     bench.bench,
+    bench.verdict_command,
     serve.serve,
     tools.doctor,
     models,

@@ -1,4 +1,5 @@
-"""`specrt bench` (and its `--concurrency` load form) and `specrt replay`: measure."""
+"""`specrt bench` (and its `--concurrency` load form), `specrt replay` and `specrt verdict`:
+measure, and judge what was measured."""
 
 from __future__ import annotations
 
@@ -46,6 +47,26 @@ def replay_command(bundle: Path, prompt_files, max_new_tokens: int, clients: str
         if traces is not None:
             replay.save(recorded, traces)
     click.echo(replay.report(recorded, levels, rt.costs, rt.bundle.max_draft))
+
+
+@click.command("verdict")
+@click.argument(
+    "results", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path)
+)
+@click.option(
+    "--apart",
+    is_flag=True,
+    help="Judge each file's cells apart (default: a cell in several files, the same code run "
+    "again, is judged on all their turns).",
+)
+def verdict_command(results, apart: bool):
+    """Whether adaptive holds 0.97x the best other configuration in each cell of these result
+    files (`specrt bench --concurrency`, benchmarks/long_context.py --speculation --runs),
+    judged on the turns' spread: holds, misses, or within noise, and how many turns would
+    tell. A cell's ratio alone moves more than 3 % between runs of the same code here."""
+    from specrt.tools import verdict
+
+    click.echo(verdict.report(list(results), pool=not apart), nl=False)
 
 
 def _prompt_files(given) -> list[Path]:

@@ -1,0 +1,213 @@
+"""Whether adaptive holds its goal in a benchmark cell (GOAL x the best of the configurations
+run beside it), given how far the cell's turns spread: it holds, it misses, or the turns
+cannot tell yet, and how many turns of the same spread would.
+
+A cell's table gives one ratio: adaptive's mean speed over the best mean of the others. On a
+shared 2-core machine that ratio moves more than the goal's 3 % between runs of the same code
+(the summary after 8,000 tokens at 4 clients on a Xeon without AMX: 0.970x and 0.953x in two
+runs, its turns 0.91-0.99x), and the best of several noisy means flatters the denominator.
+Here each turn is one paired sample: its runs ran side by side (long_context.py interleaves
+them round by round, `specrt bench --concurrency` runs them one after another within the
+turn), so a slow spell that falls on a turn falls on all of them. Against each other
+configuration the turns' log ratios ln(adaptive / other) give a mean and one-sided bounds
+(Student's t at LEVEL): the goal holds against it where the lower bound clears ln GOAL, and
+is missed where the upper bound falls under it. A cell holds where it holds against every
+other configuration (an intersection: each at LEVEL), misses where it misses against any (a
+union: each at 1 - (1 - LEVEL) / comparisons, Bonferroni), and is within noise otherwise.
+
+Limits: a batch's turns share its runtime's acceptance pool (its first turn is cold, the
+rest warm) and a run's turns one calibration, so turns are not quite independent; the bounds
+are as good as that. Pooling runs of one cell (several files) assumes the same code.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from specrt.errors import SpecrtError
+
+GOAL = 0.97  # adaptive's speed over the best other configuration's, at least (issue 54)
+LEVEL = 0.95  # one-sided confidence of each claim
+SETTLE_CAP = 100_000  # turns past which a cell is said to take forever to settle
+HOLDS, MISSES, OPEN = "holds", "misses", "within noise"
+
+
+def _t(level: float, df: int) -> float:
+    """Student's t quantile at a one-sided `level` (scipy: the bench extra)."""
+    from scipy import stats
+
+    return float(stats.t.ppf(level, df))
+
+
+def _turns_to_settle(sd: float, gap: float, level: float, n: int) -> float:
+    """The fewest turns, more than `n`, whose one-sided bound at `level` would lie within `gap`
+    of the mean at this spread `sd` (inf past SETTLE_CAP)."""
+    from scipy import stats
+
+    counts = np.arange(n + 1, SETTLE_CAP + 1)
+    settled = stats.t.ppf(level, counts - 1) * sd / np.sqrt(counts) < gap
+    return float(counts[settled.argmax()]) if settled.any() else math.inf
+
+
+@dataclass(frozen=True)
+class Against:
+    """Adaptive against one other configuration over the turns they shared."""
+
+    other: str
+    turns: int
+    ratio: float  # the turns' geometric mean of adaptive / other
+    low: float  # one-sided bounds of that ratio at LEVEL (nan with fewer than 2 turns)
+    high: float
+    missed: bool  # the upper bound at the Bonferroni level is under the goal
+    needed: float  # turns of this spread that would settle it (0: settled; inf: too many)
+
+    @property
+    def holds(self) -> bool:
+        return self.low >= GOAL
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A cell's verdict: HOLDS against every other configuration, MISSES against one, or
+    OPEN (within noise)."""
+
+    cell: str
+    turns: int
+    point: float  # adaptive's mean speed over the best other mean (the tables' kind of ratio)
+    state: str  # HOLDS, MISSES or OPEN
+    against: tuple[Against, ...]
+
+    @property
+    def binding(self) -> Against:
+        """The comparison that decides the cell: a miss, else the lowest bound."""
+        missed = [a for a in self.against if a.missed]
+        return min(missed or self.against, key=lambda a: a.low if a.turns > 1 else a.ratio)
+
+    @property
+    def needed(self) -> float:
+        """Turns of this spread that would settle every open comparison (0: settled)."""
+        open_ = [a.needed for a in self.against if not a.holds and not a.missed]
+        return max(open_, default=0.0) if all(a.turns > 1 for a in self.against) else math.nan
+
+
+def against(other: str, mine: list[float], theirs: list[float], comparisons: int) -> Against:
+    """Adaptive's turns `mine` against another configuration's `theirs`, paired by turn."""
+    logs = np.log(np.asarray(mine, float)) - np.log(np.asarray(theirs, float))
+    n, mean, goal = len(logs), float(logs.mean()), math.log(GOAL)
+    if n < 2:
+        nan = float("nan")  # one turn has no spread: nothing to bound, nothing to count
+        return Against(other, n, math.exp(mean), nan, nan, False, nan)
+    sd = float(logs.std(ddof=1))
+    se, miss_level = sd / math.sqrt(n), 1 - (1 - LEVEL) / comparisons
+    low, high = mean - _t(LEVEL, n - 1) * se, mean + _t(LEVEL, n - 1) * se
+    missed = mean + _t(miss_level, n - 1) * se < goal
+    needed = 0.0
+    if low < goal and not missed:  # open: the turns at which this mean would settle it
+        needed = _turns_to_settle(sd, abs(mean - goal), LEVEL if mean >= goal else miss_level, n)
+    return Against(other, n, math.exp(mean), math.exp(low), math.exp(high), missed, needed)
+
+
+def judge(cell: str, turns: list[dict[str, float]]) -> Verdict:
+    """A cell's verdict from its turns, each {configuration: tokens/s}, adaptive's under
+    "adaptive" (turns of several runs of the cell may be pooled)."""
+    names = list(dict.fromkeys(n for turn in turns for n in turn if n != "adaptive"))
+    mine = [turn for turn in turns if "adaptive" in turn]
+    pairs = {n: [(t["adaptive"], t[n]) for t in mine if n in t] for n in names}
+    comparisons = len([n for n in names if pairs[n]])
+    results = tuple(
+        against(n, [a for a, _ in p], [o for _, o in p], comparisons) for n, p in pairs.items() if p
+    )
+    mean = {n: np.mean([t[n] for t in turns if n in t]) for n in [*names, "adaptive"]}
+    point = float(mean["adaptive"] / max(mean[n] for n in names)) if names else math.nan
+    if any(a.missed for a in results):
+        state = MISSES
+    elif results and all(a.holds for a in results):
+        state = HOLDS
+    else:
+        state = OPEN
+    return Verdict(cell, len(mine), point, state, results)
+
+
+def cells(result: dict) -> dict[str, list[dict[str, float]]]:
+    """The turns of each cell of a result file (long_context.py's `--speculation` rows with
+    `--runs`, or `specrt bench --concurrency`), keyed by the CPU and the cell."""
+    where = _cpu(result.get("machine", {}))
+    out: dict[str, list[dict[str, float]]] = {}
+    if result.get("kind") == "concurrency":
+        for e in result["configs"]:
+            if e["bundle"] == "llama.cpp":
+                continue
+            key = f"{where}: short prompts, {e['bundle']}, {e['concurrency']} client(s)"
+            runs = e.get("aggregate_runs", [e["aggregate_tokens_per_s"]])
+            _merge(out.setdefault(key, []), e["config"], runs)
+        return out
+    clients = result.get("clients", 1)
+    for row in result.get("rows", []):
+        key = f"{where}: {result.get('task', 'chat')}, {clients} client(s), {row['size']:,} tokens"
+        for name in result.get("runs", []):
+            if name in row and (name in ("target", "adaptive") or name.startswith("fixed")):
+                runs = row[name].get("turns") or [row[name]["decode_tokens_per_s"]]
+                _merge(out.setdefault(key, []), name, runs)
+    return out
+
+
+def report(paths: list[Path], pool: bool = True) -> str:
+    """The verdict of every cell with an adaptive run in these result files, as Markdown: a
+    cell found in several files judged on all their turns (`pool`), or each file apart."""
+    groups: dict[str, list[dict[str, float]]] = {}
+    for path in paths:
+        try:
+            result = json.loads(Path(path).read_text())
+            found = cells(result)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise SpecrtError(f"{path}: not a benchmark result specrt can judge ({err!r})") from err
+        for key, turns in found.items():
+            groups.setdefault(key if pool else f"{Path(path).stem}, {key}", []).extend(turns)
+    judged = [judge(k, t) for k, t in groups.items() if len({n for x in t for n in x}) > 1]
+    judged = [v for v in judged if v.turns]  # cells with adaptive and another configuration
+    if not judged:
+        raise SpecrtError(
+            "no cell with an adaptive run in these files: pass the JSON of "
+            "`long_context.py --speculation --runs ...,adaptive` or `specrt bench --concurrency`"
+        )
+    return markdown(judged)
+
+
+def markdown(verdicts: list[Verdict]) -> str:
+    lines = [
+        f"Adaptive against its goal ({GOAL:.2f}x the best other configuration). Means' ratio: "
+        "adaptive's mean speed over the best other mean. Binding: the comparison that decides "
+        f"the cell, paired by turn, its geometric mean ratio and one-sided {LEVEL:.0%} bounds. "
+        "Turns: how many of this spread would settle a cell within noise, if its mean held.",
+        "",
+        "| cell | turns | means' ratio | binding: against, ratio [low, high] | verdict | turns |",
+        "|---|---|---|---|---|---|",
+    ]
+    for v in verdicts:
+        b = v.binding
+        bounds = "" if b.turns < 2 else f" [{b.low:.3f}, {b.high:.3f}]"
+        needed = "–" if v.state != OPEN or math.isnan(v.needed) else f"{v.needed:.0f}"
+        needed = "over 1,000" if v.state == OPEN and v.needed > 1000 else needed
+        lines.append(
+            f"| {v.cell} | {v.turns} | {v.point:.3f}× | {b.other}, {b.ratio:.3f}×{bounds} "
+            f"| {v.state} | {needed} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _merge(turns: list[dict[str, float]], name: str, runs: list[float]) -> None:
+    """One configuration's turn speeds into a cell's turns, the i-th into the i-th."""
+    while len(turns) < len(runs):
+        turns.append({})
+    for turn, speed in zip(turns, runs, strict=False):
+        turn[name] = float(speed)
+
+
+def _cpu(m: dict) -> str:
+    simd = "AMX" if "AMX" in " ".join(m.get("simd", [])) else "no AMX"
+    return f"{m.get('cpu', 'CPU?')} ({simd})"

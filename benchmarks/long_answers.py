@@ -18,7 +18,7 @@ from long_context import ANSWER, CLIENT_OFFSET, RUNS, SOURCE, TASKS, source_text
 from specrt import machine
 from specrt.bundle import Bundle
 from specrt.files import write_result
-from specrt.tools import llamacpp
+from specrt.tools import llamacpp, verdict
 
 SCRIPT = str(Path(__file__).resolve().parent / "long_context.py")  # each size in a process
 
@@ -277,7 +277,8 @@ def markdown(result: dict) -> str:
 
 def _runs_markdown(result: dict) -> str:
     """Any set of runs side by side; adaptive against the better of the target alone and the
-    best fixed K (the goal: 0.97x at least)."""
+    best fixed K (the goal: 0.97x at least), as the means' ratio and judged on the turns'
+    spread (`specrt verdict`: holds, misses, or within noise)."""
     runs = [r for r in result["runs"] if r != "target"]
     lines = [
         "# Long prompts: what speculation gains after them",
@@ -288,8 +289,8 @@ def _runs_markdown(result: dict) -> str:
         "",
         "| prompt tokens | target alone: first token, tok/s | "
         + " | ".join(runs)
-        + " | adaptive / better of off and fixed | same output |",
-        "|---" * (len(runs) + 4) + "|",
+        + " | adaptive / better of off and fixed | by turn (`specrt verdict`) | same output |",
+        "|---" * (len(runs) + 5) + "|",
     ]
     for row in result["rows"]:
         alone = row["target"]
@@ -304,7 +305,8 @@ def _runs_markdown(result: dict) -> str:
         lines.append(
             f"| {row['prompt_tokens']:,} | {alone['ttft_s']:.1f} s, "
             f"{_run_cell(alone).split(', K')[0]} | {cells} | "
-            f"{'–' if ratio is None else f'{ratio:.2f}×'} | {'yes' if same else 'NO'} |"
+            f"{'–' if ratio is None else f'{ratio:.2f}×'} | "
+            f"{verdict.brief(verdict.row_turns(row, result['runs']))} | {'yes' if same else 'NO'} |"
         )
     if result.get("llama_server") is not None:
         lines += ["", *_llama_markdown(result)]

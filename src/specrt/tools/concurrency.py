@@ -27,7 +27,7 @@ from specrt import machine
 from specrt.bundle import Bundle
 from specrt.errors import SpecrtError
 from specrt.runtime import SpeculativeRuntime
-from specrt.tools import llamacpp
+from specrt.tools import llamacpp, verdict
 from specrt.tools.bench import current_rss_mb, row_padding
 from specrt.tools.load import llama_level, run_level
 from specrt.tools.prompts import prompt_input
@@ -356,21 +356,22 @@ def markdown(result: dict) -> str:
                 f"{e['per_token_p99_ms']:.0f} / {e['per_request_tokens_per_s']:.1f}"
             )
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines += _goal_lines(result["goals"])
+    lines += _goal_lines(result["goals"], entries)
     lines += [*padding_lines(result.get("row_padding", {})), *_llama_lines(result), ""]
     return "\n".join(lines)
 
 
-def _goal_lines(goals: list[dict]) -> list[str]:
+def _goal_lines(goals: list[dict], entries: list[dict]) -> list[str]:
     lines = [
         "",
         "Goals (adaptive's aggregate tokens/s against single-stream adaptive, the batched "
         "target alone, and the best configuration at that concurrency; by turn: against the "
-        "best run of the other configurations in each turn, and the median of those):",
+        "best run of the other configurations in each turn, and the median of those; verdict: "
+        "the 0.97x goal judged on the turns' spread, `specrt verdict`):",
         "",
-        "| bundle | concurrency | vs single stream | vs target alone | vs best | by turn | best "
-        "| mean K | vs llama.cpp's best | llama.cpp's best |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| bundle | concurrency | vs single stream | vs target alone | vs best | by turn | "
+        "verdict | best | mean K | vs llama.cpp's best | llama.cpp's best |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for g in goals:
         lines.append(
@@ -378,6 +379,7 @@ def _goal_lines(goals: list[dict]) -> list[str]:
             f"{fmt(g['adaptive_vs_single_stream'], '.2f')}× | "
             f"{fmt(g['adaptive_vs_target_alone'], '.2f')}× | {g['adaptive_vs_best']:.2f}× | "
             f"{_turns_cell(g.get('adaptive_vs_best_by_turn', []))} | "
+            f"{verdict.brief(verdict.level_turns(entries, g['bundle'], g['concurrency']))} | "
             f"{g['best']} | {g['adaptive_mean_k']:.2f} | "
             f"{fmt(g.get('adaptive_vs_llamacpp_best'), '.2f')}× | {g.get('llamacpp_best') or '–'} |"
         )

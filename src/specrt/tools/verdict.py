@@ -139,21 +139,48 @@ def cells(result: dict) -> dict[str, list[dict[str, float]]]:
     where = _cpu(result.get("machine", {}))
     out: dict[str, list[dict[str, float]]] = {}
     if result.get("kind") == "concurrency":
-        for e in result["configs"]:
-            if e["bundle"] == "llama.cpp":
-                continue
-            key = f"{where}: short prompts, {e['bundle']}, {e['concurrency']} client(s)"
-            runs = e.get("aggregate_runs", [e["aggregate_tokens_per_s"]])
-            _merge(out.setdefault(key, []), e["config"], runs)
+        entries = result["configs"]
+        levels = dict.fromkeys((e["bundle"], e["concurrency"]) for e in entries)
+        for bundle, level in levels:
+            if bundle != "llama.cpp":  # its own rows: the goal is against specrt's
+                key = f"{where}: short prompts, {bundle}, {level} client(s)"
+                out[key] = level_turns(entries, bundle, level)
         return out
     clients = result.get("clients", 1)
     for row in result.get("rows", []):
         key = f"{where}: {result.get('task', 'chat')}, {clients} client(s), {row['size']:,} tokens"
-        for name in result.get("runs", []):
-            if name in row and (name in ("target", "adaptive") or name.startswith("fixed")):
-                runs = row[name].get("turns") or [row[name]["decode_tokens_per_s"]]
-                _merge(out.setdefault(key, []), name, runs)
+        out[key] = row_turns(row, result.get("runs", []))
     return out
+
+
+def row_turns(row: dict, runs: list[str]) -> list[dict[str, float]]:
+    """A long_context.py row's turns: each {run: tokens/s}, of the target alone, the fixed
+    K runs and adaptive (not adaptive's other forms, `whole` and `unscouted`)."""
+    turns: list[dict[str, float]] = []
+    for name in runs:
+        if name in row and (name in ("target", "adaptive") or name.startswith("fixed")):
+            _merge(turns, name, row[name].get("turns") or [row[name]["decode_tokens_per_s"]])
+    return turns
+
+
+def level_turns(entries: list[dict], bundle: str, level: int) -> list[dict[str, float]]:
+    """A `specrt bench --concurrency` level's turns: each {configuration: tokens/s}."""
+    turns: list[dict[str, float]] = []
+    for e in entries:
+        if e["bundle"] == bundle and e["concurrency"] == level:
+            _merge(turns, e["config"], e.get("aggregate_runs", [e["aggregate_tokens_per_s"]]))
+    return turns
+
+
+def brief(turns: list[dict[str, float]]) -> str:
+    """A cell's verdict in a table cell: the state, and its binding comparison's ratio and
+    bounds (the turns that would tell, where it is within noise)."""
+    v = judge("", turns)
+    if not v.against or v.turns < 2:
+        return "–"
+    b, tell = v.binding, _to_tell(v)
+    state = v.state + (f" (turns to tell: {tell})" if tell != "–" else "")
+    return f"{state}: {b.other} {b.ratio:.3f}× [{b.low:.3f}, {b.high:.3f}]"
 
 
 def report(paths: list[Path], pool: bool = True) -> str:
@@ -191,13 +218,18 @@ def markdown(verdicts: list[Verdict]) -> str:
     for v in verdicts:
         b = v.binding
         bounds = "" if b.turns < 2 else f" [{b.low:.3f}, {b.high:.3f}]"
-        needed = "–" if v.state != OPEN or math.isnan(v.needed) else f"{v.needed:.0f}"
-        needed = "over 1,000" if v.state == OPEN and v.needed > 1000 else needed
         lines.append(
             f"| {v.cell} | {v.turns} | {v.point:.3f}× | {b.other}, {b.ratio:.3f}×{bounds} "
-            f"| {v.state} | {needed} |"
+            f"| {v.state} | {_to_tell(v)} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _to_tell(v: Verdict) -> str:
+    """The turns that would settle a cell within noise, as a table shows them."""
+    if v.state != OPEN or math.isnan(v.needed):
+        return "–"
+    return "over 1,000" if v.needed > 1000 else f"{v.needed:.0f}"
 
 
 def _merge(turns: list[dict[str, float]], name: str, runs: list[float]) -> None:

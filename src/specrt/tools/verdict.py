@@ -4,16 +4,17 @@ cannot tell yet, and how many turns of the same spread would.
 
 A cell's table gives one ratio: adaptive's mean speed over the best mean of the others. On a
 shared 2-core machine that ratio moves more than the goal's 3 % between runs of the same code
-(the summary after 8,000 tokens at 4 clients on a Xeon without AMX: 0.970x and 0.953x in two
-runs, its turns 0.91-0.99x), and the best of several noisy means flatters the denominator.
+(five runs of a summary after 1,000 tokens, one request, on an AMX Xeon: 0.946-1.003x fixed
+K = 1), and the best of several noisy means flatters the denominator.
 Here each turn is one paired sample: its runs ran side by side (long_context.py interleaves
 them round by round, `specrt bench --concurrency` runs them one after another within the
 turn), so a slow spell that falls on a turn falls on all of them. Against each other
 configuration the turns' log ratios ln(adaptive / other) give a mean and one-sided bounds
 (Student's t at LEVEL): the goal holds against it where the lower bound clears ln GOAL, and
 is missed where the upper bound falls under it. A cell holds where it holds against every
-other configuration (an intersection: each at LEVEL), misses where it misses against any (a
-union: each at 1 - (1 - LEVEL) / comparisons, Bonferroni), and is within noise otherwise.
+other configuration (an intersection: each lower bound at LEVEL), misses where it misses
+against any (a union: each upper bound at 1 - (1 - LEVEL) / comparisons, Bonferroni), and is
+within noise otherwise.
 
 Limits: a batch's turns share its runtime's acceptance pool (its first turn is cold, the
 rest warm) and a run's turns one calibration, so turns are not quite independent; the bounds
@@ -61,9 +62,9 @@ class Against:
     other: str
     turns: int
     ratio: float  # the turns' geometric mean of adaptive / other
-    low: float  # one-sided bounds of that ratio at LEVEL (nan with fewer than 2 turns)
-    high: float
-    missed: bool  # the upper bound at the Bonferroni level is under the goal
+    low: float  # its one-sided lower bound at LEVEL (nan with fewer than 2 turns)...
+    high: float  # ...and upper bound at LEVEL over the cell's comparisons (Bonferroni)
+    missed: bool  # that upper bound is under the goal
     needed: float  # turns of this spread that would settle it (0: settled; inf: too many)
 
     @property
@@ -104,8 +105,8 @@ def against(other: str, mine: list[float], theirs: list[float], comparisons: int
         return Against(other, n, math.exp(mean), nan, nan, False, nan)
     sd = float(logs.std(ddof=1))
     se, miss_level = sd / math.sqrt(n), 1 - (1 - LEVEL) / comparisons
-    low, high = mean - _t(LEVEL, n - 1) * se, mean + _t(LEVEL, n - 1) * se
-    missed = mean + _t(miss_level, n - 1) * se < goal
+    low, high = mean - _t(LEVEL, n - 1) * se, mean + _t(miss_level, n - 1) * se
+    missed = high < goal
     needed = 0.0
     if low < goal and not missed:  # open: the turns at which this mean would settle it
         needed = _turns_to_settle(sd, abs(mean - goal), LEVEL if mean >= goal else miss_level, n)
@@ -209,7 +210,8 @@ def markdown(verdicts: list[Verdict]) -> str:
     lines = [
         f"Adaptive against its goal ({GOAL:.2f}x the best other configuration). Means' ratio: "
         "adaptive's mean speed over the best other mean. Binding: the comparison that decides "
-        f"the cell, paired by turn, its geometric mean ratio and one-sided {LEVEL:.0%} bounds. "
+        "the cell, paired by turn: its geometric mean ratio, its lower bound at "
+        f"{LEVEL:.0%} and its upper bound at {LEVEL:.0%} over the cell's comparisons. "
         "Turns: how many of this spread would settle a cell within noise, if its mean held.",
         "",
         "| cell | turns | means' ratio | binding: against, ratio [low, high] | verdict | turns |",

@@ -36,7 +36,8 @@ and the best fixed K). `--repeat N` runs N such turns and gives each run's mean 
 turn's speed. `--clients N` gives each run N requests at once, each after its own cut of the
 source. With `--llama-cpp DIR` (a folder with llama-server, or $SPECRT_LLAMA_CPP, or PATH),
 llama-server gets the same prompt's token ids on the bundle's GGUF files, alone and with the
-draft GGUF, one slot, as many threads, `cache_prompt` off.
+draft GGUF, one slot, as many threads, `cache_prompt` off. `specrt verdict RESULT.json [more]`
+judges adaptive's goal in each cell on its turns' spread (the runs table's verdict column).
 """
 
 from __future__ import annotations

@@ -59,6 +59,18 @@ def test_the_turns_it_asks_for_settle_a_cell_whose_mean_holds():
         assert fewer.state == verdict.OPEN  # the fewest that do
 
 
+def test_a_cell_leaning_to_a_miss_is_settled_by_its_losing_comparison_alone():
+    """Under fixed K = 1 at 0.93x and at 0.99x the target alone, turns spread wide: the turns
+    that would tell are those that settle the miss, fewer than the hold against the target
+    alone would take (control: what every comparison would take)."""
+    ratios = _spread(0.93, 0.05, 3)
+    turns = [{**t, "target": t["fixed:1"] * 0.94} for t in _turns(ratios)]
+    v = verdict.judge("cell", turns)
+    losing, other = (next(a for a in v.against if a.other == n) for n in ("fixed:1", "target"))
+    assert v.state == verdict.OPEN and other.needed > losing.needed > 3
+    assert v.needed == losing.needed
+
+
 def test_a_slow_spell_that_falls_on_a_whole_turn_cancels_out():
     """Paired by turn, a turn 40 % slower for every run moves no ratio; the same speeds with
     adaptive's turns out of step with the others' (control) are within noise."""

@@ -91,9 +91,13 @@ class Verdict:
 
     @property
     def needed(self) -> float:
-        """Turns of this spread that would settle every open comparison (0: settled)."""
-        open_ = [a.needed for a in self.against if not a.holds and not a.missed]
-        return max(open_, default=0.0) if all(a.turns > 1 for a in self.against) else math.nan
+        """Turns of this spread that would settle the cell if its means held (0: settled): a
+        miss needs one comparison whose mean is under the goal to settle, a hold needs all."""
+        if any(a.turns < 2 for a in self.against):
+            return math.nan
+        open_ = [a for a in self.against if not a.holds and not a.missed]
+        under = [a.needed for a in open_ if a.ratio < GOAL]
+        return min(under) if under else max((a.needed for a in open_), default=0.0)
 
 
 def against(other: str, mine: list[float], theirs: list[float], comparisons: int) -> Against:

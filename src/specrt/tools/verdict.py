@@ -39,19 +39,24 @@ HOLDS, MISSES, OPEN = "holds", "misses", "within noise"
 
 
 def _t(level: float, df: int) -> float:
-    """Student's t quantile at a one-sided `level` (scipy: the bench extra)."""
-    from scipy import stats
+    """Student's t quantile at a one-sided `level`."""
+    return float(_stats().t.ppf(level, df))
 
-    return float(stats.t.ppf(level, df))
+
+def _stats():
+    """scipy.stats, from the bench extra."""
+    try:
+        from scipy import stats
+    except ImportError as err:
+        raise SpecrtError("specrt verdict needs scipy: pip install 'specrt[bench]'") from err
+    return stats
 
 
 def _turns_to_settle(sd: float, gap: float, level: float, n: int) -> float:
     """The fewest turns, more than `n`, whose one-sided bound at `level` would lie within `gap`
     of the mean at this spread `sd` (inf past SETTLE_CAP)."""
-    from scipy import stats
-
     counts = np.arange(n + 1, SETTLE_CAP + 1)
-    settled = stats.t.ppf(level, counts - 1) * sd / np.sqrt(counts) < gap
+    settled = _stats().t.ppf(level, counts - 1) * sd / np.sqrt(counts) < gap
     return float(counts[settled.argmax()]) if settled.any() else math.inf
 
 

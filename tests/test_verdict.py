@@ -83,10 +83,12 @@ def test_a_slow_spell_that_falls_on_a_whole_turn_cancels_out():
     assert verdict.judge("cell", shifted).state == verdict.OPEN
 
 
-def test_one_turn_bounds_nothing():
+def test_one_turn_bounds_nothing_and_a_cell_without_adaptive_is_not_judged():
     one = verdict.judge("cell", _turns([1.2]))
     assert one.state == verdict.OPEN and math.isnan(one.binding.low) and math.isnan(one.needed)
     assert "| within noise | – |" in verdict.markdown([one])
+    without = [{k: v for k, v in turn.items() if k != "adaptive"} for turn in _turns([1.0, 1.0])]
+    assert verdict.judge("cell", without).against == () and verdict.brief(without) == "–"
 
 
 def test_cells_are_read_from_both_benchmarks_and_pooled_across_files():

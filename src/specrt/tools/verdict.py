@@ -127,13 +127,15 @@ def judge(cell: str, turns: list[dict[str, float]]) -> Verdict:
     "adaptive" (turns of several runs of the cell may be pooled)."""
     names = list(dict.fromkeys(n for turn in turns for n in turn if n != "adaptive"))
     mine = [turn for turn in turns if "adaptive" in turn]
+    if not mine or not names:  # nothing to judge: no adaptive run, or nothing beside it
+        return Verdict(cell, len(mine), math.nan, OPEN, ())
     pairs = {n: [(t["adaptive"], t[n]) for t in mine if n in t] for n in names}
     comparisons = len([n for n in names if pairs[n]])
     results = tuple(
         against(n, [a for a, _ in p], [o for _, o in p], comparisons) for n, p in pairs.items() if p
     )
     mean = {n: np.mean([t[n] for t in turns if n in t]) for n in [*names, "adaptive"]}
-    point = float(mean["adaptive"] / max(mean[n] for n in names)) if names else math.nan
+    point = float(mean["adaptive"] / max(mean[n] for n in names))
     if any(a.missed for a in results):
         state = MISSES
     elif results and all(a.holds for a in results):

@@ -16,7 +16,9 @@ class FixedCosts(StepCosts):
     def observe_draft(self, rows: int, seconds: float) -> None:
         pass
 
-    def observe_verify(self, rows: int, seconds: float, context: float | None = None) -> None:
+    def observe_verify(
+        self, rows: int, seconds: float, context: float | None = None, requests: int = 1
+    ) -> None:
         pass
 
 

@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import pytest
 from fixed_costs import flat_costs, gguf_costs
-from test_replay import AFTER, DRAFT
 
 from specrt.runtime import SpeculativeRuntime
 from specrt.runtime.controller import Adaptive, Fixed, Heuristic, make_controller
-from specrt.runtime.costs import PREFIX, STALE_AFTER, StepCosts
+from specrt.runtime.costs import PREFIX, StepCosts
 from specrt.runtime.joint import (
     K_MARGIN,
     PROBE_AFTER,
     PROBE_AFTER_ALONE,
-    REFRESH_ALWAYS,
-    REFRESH_MARGIN,
     SWITCH_GAIN,
     WARM_UP_K,
     decide_round,
@@ -163,8 +160,9 @@ def test_verify_cost_interpolates_and_extrapolates_the_measured_curve():
     spiky = StepCosts(verify={1: 0.10, 2: 0.50, 3: 0.12})  # a noisy sample at 2
     assert spiky.verify_cost(2) == 0.12  # never above a larger count's measurement
     assert spiky.verify_cost(1) == 0.10
-    costs.observe_verify(1, 0.12)
-    assert costs.verify_cost(1) == pytest.approx(0.7 * 0.10 + 0.3 * 0.12)
+    costs.observe_verify(1, 0.12)  # 20 % over its price: every price moves 6 %
+    assert costs.verify_cost(1) == pytest.approx(0.106)
+    assert costs.verify_cost(3) == pytest.approx(1.06 * 0.14)
 
 
 def test_one_stall_cannot_price_a_call_out_of_reach_but_a_lasting_slowdown_shows():
@@ -419,290 +417,126 @@ def test_a_batch_keeps_its_course_where_drafting_and_the_target_alone_price_alik
     assert ks(last_k=0) == [0] * 4  # not drafting: 1 % is no reason to start
 
 
-def _drafting_rounds(costs: StepCosts, truth: StepCosts, alpha: float, rounds: int) -> list[int]:
-    """4 requests at acceptance alpha on `costs`, whose calls take what `truth` prices: how
-    many of them draft, round by round (each request's estimate held at alpha; one drafting
-    alone is a probe)."""
+def _spells(costs: StepCosts, truth: StepCosts, alpha: float, spells) -> list[int]:
+    """4 requests at acceptance alpha on `costs`, whose calls take what `truth` prices times
+    the machine's spell (`spells`: (factor, rounds) each): how many of them draft, round by
+    round (each request's estimate held at alpha; one drafting alone is a probe)."""
     batch = [Adaptive(costs=costs, prior_alpha=alpha, pool_weight=1e9) for _ in range(4)]
-    return _rounds(batch, RoundContext(8, 100, 256, lag=2), costs, truth, rounds, kept=1.0)
-
-
-def _rounds(batch, ctx, costs: StepCosts, truth: StepCosts, rounds: int, kept: float) -> list:
-    """How many of `batch` draft, round by round, each at `ctx`, on `costs`, whose calls take
-    what `truth` prices, each round keeping `kept` of its drafts (rounded down)."""
-    ks = []
-    for _ in range(rounds):
-        decisions = decide_together(batch, [ctx] * len(batch), costs)
-        k = max(d.k for d in decisions)
-        rows = len(batch) * (k + 1)
-        costs.observe_verify(rows, truth.verify_cost(rows))
-        for policy, decision in zip(batch, decisions, strict=True):
-            policy.observe(decision.k, int(decision.k * kept))
-        ks.append(sum(1 for d in decisions if d.k))
+    ctx, ks = RoundContext(8, 100, 256, lag=2), []
+    for factor, rounds in spells:
+        for _ in range(rounds):
+            decisions = decide_together(batch, [ctx] * 4, costs)
+            rows = 4 * (max(d.k for d in decisions) + 1)
+            costs.observe_verify(rows, factor * truth.verify_cost(rows, 4), requests=4)
+            for policy, decision in zip(batch, decisions, strict=True):
+                policy.observe(decision.k, decision.k)
+            ks.append(sum(1 for d in decisions if d.k))
     return ks
 
 
-def test_a_stale_price_of_the_target_alone_is_timed_again(monkeypatch):
-    """The target alone's call priced from a slower spell of the machine (15 % dear) while the
-    batch drafts: on the gguf curves at acceptance 0.75 drafting then looks best, though the
-    target alone is 8 % faster. Untimed for STALE_AFTER rounds, that call is timed again in one
-    round without drafts, and the batch stops drafting (but for a probe now and then). Control:
-    without the re-timing it drafts on, since only the calls in use are timed."""
-    truth = gguf_costs()
-
-    def stale() -> StepCosts:
-        costs = StepCosts(draft=dict(truth.draft), verify=dict(truth.verify))
-        costs.verify[4] *= 1.15  # and 5, since no count is priced above a larger one
-        costs.verify[5] *= 1.15
-        return costs
-
-    alone = 4 / truth.verify_cost(4)
-    k1 = price_round([1] * 4, [0.75] * 4, ["model"] * 4, [(2, 256)] * 4, (), truth)[0]
-    assert alone > SWITCH_GAIN * k1 and k1 > alone / 1.15 and REFRESH_MARGIN * alone / 1.15 > k1
-    ks = _drafting_rounds(stale(), truth, 0.75, 3 * STALE_AFTER)
-    assert ks[:STALE_AFTER] == [4] * STALE_AFTER and ks[STALE_AFTER] == 0  # the re-timing round
-    assert max(ks[STALE_AFTER + 1 :]) <= 1 and sum(ks[STALE_AFTER + 1 :]) <= 2
-    monkeypatch.setattr("specrt.runtime.joint.REFRESH_MARGIN", 0.0)
-    assert _drafting_rounds(stale(), truth, 0.75, 3 * STALE_AFTER) == [4] * 3 * STALE_AFTER
+def _own_times(costs: StepCosts) -> StepCosts:
+    """The same curves priced as before the model: each count at its own times, lately."""
+    own = StepCosts(draft=dict(costs.draft))
+    own.verify = dict(costs.verify)
+    return own
 
 
-def test_no_price_holds_the_target_alone_out_of_reach_for_good(monkeypatch):
-    """The target alone's call priced 30 % dear, beyond REFRESH_MARGIN: drafting at 0.75 looks
-    best though the target alone is 8 % faster, and the call is not close enough to be timed
-    again at STALE_AFTER. Once REFRESH_ALWAYS rounds old it is timed anyway, and the batch
-    stops drafting (but for a probe). Control: with no such bound it drafts on for good."""
-    truth = gguf_costs()
-
-    def dear() -> StepCosts:
-        costs = StepCosts(draft=dict(truth.draft), verify=dict(truth.verify))
-        for rows in (4, 5):  # both, since no count is priced above a larger one
-            costs.verify[rows] *= 1.3
-        return costs
-
-    alone = 4 / truth.verify_cost(4)
-    k1 = price_round([1] * 4, [0.75] * 4, ["model"] * 4, [(2, 256)] * 4, (), truth)[0]
-    assert alone > SWITCH_GAIN * k1 and REFRESH_MARGIN * alone / 1.3 < k1
-    rounds = REFRESH_ALWAYS + 2 * STALE_AFTER
-    ks = _drafting_rounds(dear(), truth, 0.75, rounds)
-    assert ks[:REFRESH_ALWAYS] == [4] * REFRESH_ALWAYS and ks[REFRESH_ALWAYS] == 0
-    assert max(ks[REFRESH_ALWAYS:]) <= 1 and sum(ks[REFRESH_ALWAYS:]) <= 2
-    monkeypatch.setattr("specrt.runtime.joint.REFRESH_ALWAYS", 10**9)
-    assert _drafting_rounds(dear(), truth, 0.75, rounds) == [4] * rounds
-
-
-def _looking_rounds(costs: StepCosts, truth: StepCosts, rounds: int) -> list[int]:
-    """4 requests after a long prompt that learn by looking back, each having judged 40 of
-    its draft's guesses at 0.5, on `costs`, whose calls take what `truth` prices: how many
-    of them draft, round by round."""
-    batch = [Adaptive(costs=costs, prior_alpha=0.5, pool_weight=1e9) for _ in range(4)]
-    for policy in batch:
-        policy.looked_back([True, False] * 20)
-    ctx = RoundContext(8, 9000, 256, lag=2, unjudged=2, can_look=True, emitted=100)
-    return _rounds(batch, ctx, costs, truth, rounds, kept=0.5)
-
-
-def test_a_stopped_batch_that_looks_back_times_the_drafting_call_again(monkeypatch):
-    """After 8,000 tokens at 4 clients (tests/test_replay.py's curves), a batch that learns
-    by looking back, its drafts kept half the time, with the 8-row call priced from one slow
-    sample (25 % dear): K = 1 then prices below the target alone, though it is 12 % faster.
-    A look-back widens no call, so nothing would time that call again; untimed for
-    STALE_AFTER rounds, it is timed in one round at K = 1, and the batch drafts from then on.
-    Control: without the re-timing it stays at K = 0 for good (the cold turn of an
-    8,000-token summary on an EPYC, 0.90x fixed K = 1)."""
-    truth = StepCosts(draft=dict(DRAFT), verify=dict(AFTER[8000]))
-
-    def dear() -> StepCosts:
-        costs = StepCosts(draft=dict(DRAFT), verify=dict(AFTER[8000]))
-        for rows in (8, 12):  # both, since no count is priced above a larger one
-            costs.verify[rows] *= 1.25
-        return costs
-
-    lags = [(2, 256)] * 4
-    alone = 4 / truth.verify_cost(4)
-    k1 = price_round([1] * 4, [0.5] * 4, ["model"] * 4, lags, (), truth)[0]
-    k1_dear = price_round([1] * 4, [0.5] * 4, ["model"] * 4, lags, (), dear())[0]
-    assert k1 > 1.1 * alone and k1_dear < alone < REFRESH_MARGIN * k1_dear
-    ks = _looking_rounds(dear(), truth, 3 * STALE_AFTER)
-    assert ks[:STALE_AFTER] == [0] * STALE_AFTER and ks[STALE_AFTER] == 4  # the re-timing round
-    assert ks[STALE_AFTER + 1 :] == [4] * (2 * STALE_AFTER - 1)
-    monkeypatch.setattr("specrt.runtime.joint.REFRESH_MARGIN", 0.0)
-    assert _looking_rounds(dear(), truth, 3 * STALE_AFTER) == [0] * 3 * STALE_AFTER
-
-
-def test_a_first_time_after_a_long_prompt_is_priced_as_the_calls_around_it():
-    """After 8,000 tokens at 4 clients (2-core EPYC), each turn's first 8-row call took
-    2.3-2.5x the 4-row call, the next ones 1.07x. Timed once there, the 8-row call is priced
-    at most as the calls around it say (the 4-row call timed there, with calibration's gap
-    to the wider ones), so 4 clients at acceptance 0.5 draft the next round, and its time
-    replaces the first where faster. Control: the same time taken twice is the call's price,
-    and the batch stays at K = 0."""
-    calibrated = gguf_costs()
-
-    def after(times: list[float]) -> StepCosts:
-        costs = StepCosts(draft=dict(calibrated.draft), verify=dict(calibrated.verify))
-        for _ in range(12):
-            costs.observe_verify(4, 0.36, context=8040)
-        for seconds in times:
-            costs.observe_verify(8, seconds, context=8040)
-        return costs
-
-    def ks(costs: StepCosts) -> list[int]:
-        batch = [Adaptive(costs=costs, prior_alpha=0.5, pool_weight=1e9) for _ in range(4)]
-        return [d.k for d in decide_together(batch, [RoundContext(8, 8040, 100, lag=2)] * 4, costs)]
-
-    once = after([2.3 * 0.36])
-    assert once.verify_cost(8) < 1.3 * 0.36 and ks(once) == [1] * 4
-    assert after([2.3 * 0.36, 1.07 * 0.36]).verify_cost(8) == pytest.approx(1.07 * 0.36)
-    twice = after([2.3 * 0.36] * 2)
-    assert twice.verify_cost(8) == pytest.approx(2.3 * 0.36) and ks(twice) == [0] * 4
-
-
-def test_a_stale_count_takes_a_faster_time_and_half_a_slower_one():
-    costs = StepCosts(verify={4: 0.30, 8: 0.40})
-    for _ in range(STALE_AFTER):
-        costs.observe_verify(8, 0.40)
-    costs.observe_verify(4, 0.20)  # the machine is faster now
-    assert costs.verify_cost(4) == pytest.approx(0.20)
-    for _ in range(STALE_AFTER):
-        costs.observe_verify(8, 0.40)
-    costs.observe_verify(4, 0.30)  # or slower again
-    assert costs.verify_cost(4) == pytest.approx(0.25)
-    costs.observe_verify(4, 0.30)  # timed just now: a fresh count blends
-    assert costs.verify_cost(4) == pytest.approx(0.7 * 0.25 + 0.3 * 0.30)
-
-
-def test_the_counts_not_in_use_are_priced_at_the_scale_of_those_that_are():
-    """After a long prompt every call is slower (here 45 %), but only the count in use is
-    timed: the others are priced at its scale, so K = 0 stays cheaper than K = 1 and K = 2
-    dearer. Control: refined one by one, the 2-row call took the unused 3-row call's
-    calibration (no count is priced above a larger one): K = 1 and K = 2 cost the same."""
-    shape = dict(gguf_costs().verify)
-    costs = StepCosts(verify=dict(shape))
-    for _ in range(2 * STALE_AFTER):
-        costs.observe_verify(2, 1.45 * shape[2])
-    for rows in (1, 2, 3, 8):
-        assert costs.verify_cost(rows) == pytest.approx(1.45 * shape[rows], rel=0.01)
-    assert costs.verify_cost(1) < costs.verify_cost(2) < costs.verify_cost(3)
+def test_a_slow_spell_prices_every_option_of_a_round_alike():
+    """4 clients at acceptance 0.5 after a long prompt, where K = 1 earns 1.12x the target
+    alone, on a machine that slows by a third for 5 rounds and recovers: every option is
+    priced by one model, the spell moves them alike, and the batch drafts throughout.
+    Control: priced at each count's own last times, the drafting call took the slow spell's
+    price while the call without drafts kept its own, and the batch stopped for good (but for
+    probes): what the runtime did after 4,000 tokens at 4 clients, where it priced the
+    drafting call 1.28-1.58x the call without drafts while fixed K = 1's rounds took 1.07x
+    the target alone's in that turn."""
+    truth = StepCosts(draft=dict(gguf_costs().draft), verify={4: 0.55, 8: 0.70, 12: 0.85})
+    alone = 4 / truth.verify_cost(4, 4)
+    k1 = price_round([1] * 4, [0.5] * 4, ["model"] * 4, [(2, 256)] * 4, (), truth)[0]
+    assert k1 > 1.1 * alone
+    spells = [(1.0, 10), (1.35, 5), (1.0, 40)]
+    model = StepCosts(draft=dict(truth.draft), verify=dict(truth.verify))
+    assert _spells(model, truth, 0.5, spells) == [4] * 55
+    assert _spells(_own_times(truth), truth, 0.5, spells)[15:] == [0] * 40
 
 
 def test_a_drift_scales_the_wide_calls_a_batch_does_not_make():
     """8 clients at K = 0 on a compute-bound curve, and the machine slows by 30 %: the 16-row
     call a round at K = 1 would make, untimed, is priced 30 % dearer too. (A shift learnt on
     the 8-row calls added their 41 ms to it, 18 % where 30 % was due, and the batch drafted at
-    0.86x the target alone.) Timed again, a count keeps its own time: the drift carries it
-    from there, not the calibrated curve's shape."""
+    0.86x the target alone.)"""
     shape = dict(gguf_costs().verify)
     costs = StepCosts(verify=dict(shape))
-    for _ in range(STALE_AFTER):
-        costs.observe_verify(8, 1.3 * shape[8])
-    assert costs.verify_cost(8) == pytest.approx(1.3 * shape[8], rel=0.02)
-    assert costs.verify_cost(16) == pytest.approx(1.3 * shape[16], rel=0.02)
-    costs.observe_verify(16, 1.2 * shape[16])  # stale: its calibration was 8 % dear
-    assert costs.verify_cost(16) == pytest.approx(1.2 * shape[16], rel=0.02)
-    for _ in range(2 * STALE_AFTER):  # and the machine slows by another 10 %
-        costs.observe_verify(8, 1.43 * shape[8])
-    assert costs.verify_cost(16) == pytest.approx(1.32 * shape[16], rel=0.02)
+    for _ in range(16):
+        costs.observe_verify(8, 1.3 * shape[8], requests=8)
+    assert costs.verify_cost(8, 8) == pytest.approx(1.3 * shape[8], rel=0.02)
+    assert costs.verify_cost(16, 8) == pytest.approx(1.3 * shape[16], rel=0.02)
 
 
-def _after_a_long_prompt(costs: StepCosts) -> StepCosts:
-    """4 clients after 8,000 tokens, on calls that take 0.55 s without drafts and 0.70 s at
-    K = 1 (1.27x; calibration at 48 tokens said 1.46x): 9 rounds of one request learning the
-    draft (8 rows), then 30 at K = 0 (4 rows)."""
-    for n in range(39):
-        rows = 8 if n < 9 else 4
-        costs.observe_verify(rows, 0.70 if rows == 8 else 0.55, context=8000 + n)
+# After 8,000 tokens at 4 clients the gguf target's 4-row call takes 0.55 s and its 8-row call
+# 0.70 s (1.27x; calibration at 48 tokens said 1.46x): the context term that puts them there.
+LONG_4, LONG_8, LONG_AT = 0.55, 0.70, 8040
+
+
+def _long_costs(per_request: bool = True) -> StepCosts:
+    """The gguf pair's curves with the context term that prices LONG_4 and LONG_8 at LONG_AT
+    (per row and per request; or, `per_request=False`, with none), the context there."""
+    calibrated, span = gguf_costs(), LONG_AT - PREFIX
+    per_row = (LONG_8 - calibrated.verify[8] - LONG_4 + calibrated.verify[4]) / (4 * span)
+    request = (LONG_4 - calibrated.verify[4]) / (4 * span) - per_row
+    costs = StepCosts(draft=dict(calibrated.draft), verify=dict(calibrated.verify))
+    if per_request:
+        costs.per_request, costs.per_row = request, per_row
+    costs.observe_verify(4, LONG_4, context=LONG_AT, requests=4)
     return costs
 
 
-def test_a_long_prompt_is_priced_at_the_context_each_call_was_timed_at(monkeypatch):
-    """Each count timed after the long prompt keeps its own time there (8 rows 1.27x 4 rows,
-    as measured); a count not timed there yet (24 rows) is priced as the nearest narrower one
-    that was and what calibration put between them; and after a short request, a count last
-    timed after the long prompt is priced at its calibration again. Control: carried by the
-    drift alone, the 8-row call kept calibration's 1.46x of the 4-row one (the fault measured
-    at 8,000 tokens)."""
-    shape = dict(gguf_costs().verify)
-    costs = _after_a_long_prompt(StepCosts(verify=dict(shape)))
-    assert costs.verify_cost(8) == pytest.approx(0.70, rel=0.01)
-    assert costs.verify_cost(4) == pytest.approx(0.55, rel=0.01)
-    gap = (shape[24] - shape[8]) * costs.drift
-    assert costs.verify_cost(24) == pytest.approx(costs.verify_cost(8) + gap)
-    costs.observe_verify(1, shape[1], context=100)  # a short request after them
-    assert costs.verify_cost(4) == pytest.approx(shape[4], rel=0.05)
-    monkeypatch.setattr("specrt.runtime.costs.FAR", 1e9)
-    carried = _after_a_long_prompt(StepCosts(verify=dict(shape)))
-    assert carried.verify_cost(8) / carried.verify_cost(4) == pytest.approx(shape[8] / shape[4])
+def test_a_long_prompt_is_priced_by_the_context_each_request_reads():
+    """After 8,000 tokens at 4 clients, the calls' context term (a request's cache is read
+    once a call whatever its width, and each row attends over it) prices the 8-row call at
+    1.27x the 4-row one, as it takes, and 4 clients at acceptance 0.5 draft: K = 1 earns 1.1x
+    the target alone. A short request after them is priced at calibration again. Control:
+    carried by the drift alone, the 8-row call kept calibration's 1.46x of the 4-row one and
+    the batch stayed at K = 0 (the fault measured at 8,000 tokens)."""
 
-
-def test_a_wide_call_not_timed_after_a_long_prompt_is_tried(monkeypatch):
-    """4 clients after 8,000 tokens whose runtime already knows their acceptance (0.5), so no
-    request learns and only the call without drafts is timed there (0.55 s): the 8-row call,
-    not timed there yet, is priced as that call (each request's cache is read once a call,
-    whatever its width: a guess that errs low), K = 1 earns more, and the batch drafts at once,
-    which times it. Control: priced as a share of the 4-row call's rise (the slope before), the
-    8-row call cost 0.80 s where it takes ~0.60, and the batch stayed at K = 0 until a probe
-    timed it (on an AMX Xeon, 23 rounds of a 95-round turn)."""
-
-    def ks() -> list[int]:
-        costs = StepCosts(draft=dict(gguf_costs().draft), verify=dict(gguf_costs().verify))
-        for n in range(20):
-            costs.observe_verify(4, 0.55, context=8000 + n)
+    def ks(costs: StepCosts) -> list[int]:
         batch = [Adaptive(costs=costs, prior_alpha=0.5, pool_weight=1e9) for _ in range(4)]
-        contexts = [RoundContext(8, 8020, 100, lag=2)] * 4
+        contexts = [RoundContext(8, LONG_AT, 100, lag=2)] * 4
         return [d.k for d in decide_together(batch, contexts, costs)]
 
-    assert ks() == [1] * 4
-
-    def scaled(costs: StepCosts) -> dict[int, float]:  # a share: 1 + c·L over 1 + c·L'
-        grown = costs.verify[4] / gguf_costs().verify[4]
-        share = (grown - 1) / (costs.context - grown * PREFIX)
-        stretch = {n: (1 + share * costs.context) / (1 + share * PREFIX) for n in costs.verify}
-        stretch[4] = 1.0
-        return {n: t * stretch[n] * costs._drifted(n) for n, t in costs.verify.items()}
-
-    monkeypatch.setattr(StepCosts, "curve", scaled)
-    assert ks() == [0] * 4
-
-
-def test_the_call_without_drafts_is_priced_from_a_wider_call_timed_after_a_long_prompt(
-    monkeypatch,
-):
-    """One request after 1,000 tokens, its first rounds at K = 1 rejected (acceptance 0.55
-    now), its 2-row call timed there at 135 ms twice (first-call slow; 105 after). The call
-    without drafts, not timed there yet, is priced as that call less calibration's 15 ms between the
-    two (120 ms; it takes 93), so K = 1 still earns more and the request drafts on. Control:
-    priced at its calibration (80 ms), K = 0 looked 1.3x better and the request stopped after
-    one round (AMX Xeon, a summary of a 1,000-token file: 15 rounds at K = 0 from its second)."""
-
-    def k() -> int:
-        costs = StepCosts(draft={1: 0.022}, verify={1: 0.080, 2: 0.095, 3: 0.117, 4: 0.13})
-        for _ in range(2):  # once, it would be priced as the calls around it (`curve`)
-            costs.observe_verify(2, 0.135, context=1048)
-        policy = Adaptive(costs=costs, prior_alpha=0.7)
-        policy.observe(1, 0)
-        return policy.decide(RoundContext(8, 1050, 100, lag=2)).k
-
-    assert k() == 1
-    monkeypatch.setattr(StepCosts, "_guess", lambda self, rows, own, here: self.verify[rows])
-    assert k() == 0
+    costs = _long_costs()
+    assert costs.verify_cost(4, 4) == pytest.approx(LONG_4)
+    assert costs.verify_cost(8, 4) == pytest.approx(LONG_8)
+    assert ks(costs) == [1] * 4
+    costs.observe_verify(1, gguf_costs().verify[1], context=100)  # a short request after them
+    assert costs.verify_cost(4) == pytest.approx(gguf_costs().verify[4], rel=0.05)
+    carried = _long_costs(per_request=False)
+    assert carried.verify_cost(8, 4) / carried.verify_cost(4, 4) == pytest.approx(
+        gguf_costs().verify[8] / gguf_costs().verify[4]
+    )
+    assert ks(carried) == [0] * 4
 
 
-def test_after_a_long_prompt_a_batch_drafts_where_its_calls_say_it_pays(monkeypatch):
-    """The same 4 clients at acceptance 0.5, on the draft curve of the gguf pair: priced at
-    the times taken at this context, K = 1 earns 1.1x the target alone, and the batch drafts.
-    Control: priced at calibration's ratio it loses, and the batch stays at K = 0."""
+def test_a_first_slow_call_after_a_long_prompt_moves_every_price_alike():
+    """After 8,000 tokens at 4 clients (2-core EPYC), each turn's first 8-row call took
+    2.3-2.5x the 4-row call, the next ones 1.07x. Timed so once or twice, the call moves the
+    drift, every option's price with it, and 4 clients at acceptance 0.5 draft on. Control:
+    priced at its own times, the 8-row call took that time as its price, and the batch
+    stopped (a look-back batch stayed at K = 0 for 64 rounds where fixed K = 1 ran 1.15x)."""
 
-    def ks() -> list[int]:
-        costs = _after_a_long_prompt(
-            StepCosts(draft=dict(gguf_costs().draft), verify=dict(gguf_costs().verify))
-        )
+    def ks(costs: StepCosts) -> list[int]:
+        for _ in range(2):
+            costs.observe_verify(8, 2.3 * LONG_4, context=LONG_AT, requests=4)
         batch = [Adaptive(costs=costs, prior_alpha=0.5, pool_weight=1e9) for _ in range(4)]
-        contexts = [RoundContext(8, 8040, 100, lag=2)] * 4
+        for policy in batch:
+            policy.observe(1, 1)
+        contexts = [RoundContext(8, LONG_AT, 100, lag=2)] * 4
         return [d.k for d in decide_together(batch, contexts, costs)]
 
-    assert ks() == [1] * 4
-    monkeypatch.setattr("specrt.runtime.costs.FAR", 1e9)
-    assert ks() == [0] * 4
+    assert ks(_long_costs()) == [1] * 4
+    own = _own_times(gguf_costs())
+    own.verify |= {4: LONG_4, 8: 2.3 * LONG_4}
+    assert ks(own) == [0] * 4
 
 
 def test_a_batch_that_stopped_drafting_probes_at_a_share_of_its_wait():
@@ -711,10 +545,8 @@ def test_a_batch_that_stopped_drafting_probes_at_a_share_of_its_wait():
     again): one request probes (the one whose draft model has least to read) once the
     rounds waited cover its cost at PROBE_SHARE, and the batch waits as long again before
     the next."""
-    costs = _after_a_long_prompt(
-        StepCosts(draft=dict(gguf_costs().draft), verify=dict(gguf_costs().verify))
-    )
-    assert costs.verify_cost(8) > 1.1 * costs.verify_cost(4)
+    costs = _long_costs()
+    assert costs.verify_cost(8, 4) > 1.1 * costs.verify_cost(4, 4)
     batch = [Adaptive(costs=costs, prior_alpha=0.3, pool_weight=1e9) for _ in range(4)]
     lags = [30, 20, 30, 30]
     probes = []

@@ -193,33 +193,6 @@ def test_a_batch_at_k0_looks_back_at_a_share_of_its_wait():
     assert probe.k == 1 and "probing" in probe.reason
 
 
-def test_a_wide_call_not_timed_at_this_context_is_priced_with_calibrations_difference(
-    monkeypatch,
-):
-    """The 4 clients after 1,000 tokens at acceptance 0.58, only the 4-row call timed there
-    (0.153 s; 0.114 at calibration, the 8-row 0.166): the 8-row call is priced as the 4-row
-    one and calibration's 0.052 between them (0.205; it takes that), and the batch stays at
-    K = 0. Control: priced as the 4-row call alone (the wider call looked free), it drafted."""
-
-    def ks() -> list[int]:
-        costs = StepCosts(draft={1: 0.020, 4: 0.040, 8: 0.050}, verify={4: 0.114, 8: 0.166})
-        for n in range(20):
-            costs.observe_verify(4, 0.153, context=1040 + n)
-        batch = [Adaptive(costs=costs, prior_alpha=0.58, pool_weight=1e9) for _ in range(4)]
-        contexts = [RoundContext(8, 1060, 100, lag=2)] * 4
-        return costs.verify_cost(8), [d.k for d in decide_together(batch, contexts, costs)]
-
-    price, chosen = ks()
-    assert price == pytest.approx(0.205, rel=0.02) and chosen == [0] * 4
-    monkeypatch.setattr(StepCosts, "_guess", _narrower_alone)
-    assert ks()[1] == [1] * 4
-
-
-def _narrower_alone(self, rows: int, own: float, here: dict[int, float]) -> float:
-    """The guess before: calibration scaled by the drift, or the dearest narrower count."""
-    return max([own, *(seconds for n, seconds in here.items() if n < rows)])
-
-
 def test_a_batch_looks_back_at_the_request_judged_longest_ago(monkeypatch):
     """The 4 clients at K = 0: one request looked back 20 rounds after the others last did,
     so its look-back would judge fewer tokens and cost least. The batch looks back at one of

@@ -106,7 +106,6 @@ class Adaptive:
     last_k: int | None = field(init=False, default=None)  # drafts of its last round
     probing: bool = field(init=False, default=False)  # its last decision was a probe
     probed: bool = field(init=False, default=False)  # ...and its last round (observed)
-    refreshing: bool = field(init=False, default=False)  # ...or re-timed a call off its course
     member: int | None = field(init=False, default=None)  # its key in the pool
     part: str | None = field(init=False, default=None)  # of its answer, after a long prompt
     counted_at: int = field(init=False, default=0)  # drafts of its last counted round (0: looked)
@@ -298,11 +297,8 @@ class Adaptive:
     def observe(self, k: int, accepted: int, source: str = "model") -> None:
         if source == "model" and self.pool is not None:
             self.pool.runs.drafted(self.member, self._run_keys(source), k, accepted)
-        if self.refreshing:  # a round that only re-timed a call: the course goes on, though
-            self.refreshing = False  # what its drafts said (where it drafted) counts
-        else:
-            self.idle = 0 if k else self.idle + 1
-            self.last_k, self.probed = k, self.probing
+        self.idle = 0 if k else self.idle + 1
+        self.last_k, self.probed = k, self.probing
         if self.probing:
             self.probing = False
             if accepted:  # the text has moved on (a code block, a quote): its old drafts with it

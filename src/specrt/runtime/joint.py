@@ -1,9 +1,9 @@
 """How the adaptive requests of a round choose K together (see controller.py's `Adaptive`):
 the policies that decide alone first, then one K for the adaptive requests drafting by the
 model and one for those drafting for free, priced as one round (pricing.py), kept on course
-where the choice is within noise, a stale call timed again, and a probe or a look-back where
-one is cheap; in a batch whose runtime has not learnt the draft's acceptance yet, one request
-drafts to learn, and after a long prompt each request looks back before it drafts.
+where the choice is within noise, and a probe or a look-back where one is cheap; in a batch
+whose runtime has not learnt the draft's acceptance yet, one request drafts to learn, and
+after a long prompt each request looks back before it drafts.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from specrt.runtime.costs import STALE_AFTER, StepCosts
+from specrt.runtime.costs import StepCosts
 from specrt.runtime.policy import Decision, Policy, RoundContext
 from specrt.runtime.pool import wilson
-from specrt.runtime.pricing import ROUND_LAG, price_round, verify_rows
+from specrt.runtime.pricing import ROUND_LAG, price_round
 from specrt.runtime.runs import PRIOR
 
 if TYPE_CHECKING:
@@ -29,8 +29,6 @@ LOOK_SHARE = 0.01  # a look-back's share instead: it judges a guess a token wait
 SWITCH_GAIN = 1.05  # a batch starts or stops the model's drafts only for this much more tok/s
 K_MARGIN = 0.03  # options priced within this share of the best are equal: the fewest drafts win
 #   (less the more rejections the runs behind their prices hold, see `_margin`)
-REFRESH_MARGIN = 1.15  # a stale call (costs.STALE_AFTER) is re-timed if it prices this close
-REFRESH_ALWAYS = 64  # ...and once this many rounds old, however far it prices (see `_refresh`)
 WARM_UP_K = 4  # drafts a round takes while a source cannot be priced yet
 LOOK_BACK_AT = 12  # emitted tokens a look-back waits for (an opening misleads, `_first_looks`)
 ALPHA_TOP = 0.999  # acceptance is priced at most this (expected_tokens divides by 1 - alpha)
@@ -182,7 +180,7 @@ def _priced(policies, contexts, capped, costs: StepCosts, others) -> list[Decisi
     batch = len(policies) + len(others)
     drafting = any(
         p.last_k
-        and c.lag <= ROUND_LAG + 1  # + 1: a round that re-timed the call (_refresh)
+        and c.lag <= ROUND_LAG
         and not (batch > 1 and p.probed)  # one request's probe is no batch's course
         for p, c in zip(policies, contexts, strict=True)
         if c.source == "model"
@@ -194,22 +192,14 @@ def _priced(policies, contexts, capped, costs: StepCosts, others) -> list[Decisi
         )
         bounds = _bounds(policies, sources, alphas, price)
     margin = _margin(policies, sources)
-    chosen = _keep_course(options, sources, drafting, bounds, margin)
-    refresh = _refresh(options, chosen, sources, others, costs, bounds is not None, margin)
-    rate, draft, verify, ks = refresh or chosen
-    base = costs.verify_cost(batch)  # the batch's call at K = 0
+    rate, draft, verify, ks = _keep_course(options, sources, drafting, bounds, margin)
+    base = costs.verify_cost(batch, batch)  # the batch's call at K = 0
     shares = f"c_draft(K)/c_verify={draft / base:.2f} c_verify(K)/c_verify(0)={verify / base:.2f}"
     size = f"batch {batch}: " if batch > 1 else ""
     reasons = [
         f"{size}{note}{c.source} alpha={alpha:.2f} {shares} -> {rate:.1f} tok/s"
         for (_, note), c, alpha in zip(capped, contexts, alphas, strict=True)
     ]
-    if refresh:
-        age = costs.verify_age(verify_rows(ks, others))
-        call = f"at K = {max(ks)}" if _model_drafts(refresh, sources) else "without drafts"
-        reasons = [f"{why}; re-timing the call {call}, {age} rounds old" for why in reasons]
-        for policy, source in zip(policies, sources, strict=True):
-            policy.refreshing = source == "model"
     return _probed(policies, contexts, caps, reasons, costs, others, (rate, draft, verify, ks))
 
 
@@ -296,7 +286,7 @@ def _shares(policies, contexts, waiting, looks, costs: StepCosts, call) -> dict[
     draft call of its own and widens nothing, at LOOK_SHARE: it judges a guess a token
     waited, where a probe judges one draft."""
     price, batch, widest, seconds = call
-    wider = costs.verify_cost(batch * max(2, widest + 1))
+    wider = costs.verify_cost(batch * max(2, widest + 1), batch)
     shares = {}
     for i in waiting:
         source, lag, unjudged = contexts[i].source, contexts[i].lag, contexts[i].unjudged
@@ -360,39 +350,6 @@ def _keep_course(options, sources: Sequence[str], drafting: bool, bounds=None, m
     else:
         switch = bounds[0](chosen[3])[0] > stay[0]
     return chosen if switch else stay
-
-
-def _refresh(options, chosen: tuple, sources, others, costs, looking: bool, margin=K_MARGIN):
-    """The best option on the other side of the course, for one round: without the model's
-    drafts where the chosen one drafts by the model, and with them where it does not and
-    the batch learns by looking back (`looking`); where that option's verify call was last
-    timed STALE_AFTER rounds ago or more, if it prices within REFRESH_MARGIN of the chosen
-    one, or REFRESH_ALWAYS rounds ago whatever its price; else None. Only the calls in use
-    are timed again, and a shared machine's speed drifts by tens of percent within minutes:
-    at 4 clients the target alone's call kept the price of a slow spell (187 ms where its
-    rounds took 167) while the drafting rounds were timed afresh, and adaptive drafted at
-    0.93x the target alone. One round in STALE_AFTER costs at most a sixth of a round. A
-    price further off than the margin (a spell 30 % slow, or a drift the drafting counts
-    learnt that the call without drafts does not share) was never timed again, and the batch
-    drafted at a loss for good (tests/test_controller.py's case). One round in
-    REFRESH_ALWAYS bounds how long any price holds the other course out of reach, for at
-    most a 64th of a round's gain. The other way round too, where a batch learns by looking
-    back: a look-back widens no call, so no probe times the drafting call again, and after
-    8,000 tokens of a summary at 4 clients (2-core EPYC) the cold turn's one round at K = 1
-    after its first look-back timed the 8-row call at 2.29x the 4-row call (1.07x when timed
-    again), and the batch never drafted again (114 rounds at K = 0, 0.90x fixed K = 1). Such
-    a first time is now priced as the calls around it (costs.py's `curve`); this bounds any
-    other price that holds a look-back batch at K = 0."""
-    drafts = _model_drafts(chosen, sources)
-    if not drafts and not looking:  # a probe times the drafting call (`_probed`)
-        return None
-    other = [option for option in options if _model_drafts(option, sources) != drafts]
-    if not other:
-        return None
-    best = _best(other, margin)
-    age = costs.verify_age(verify_rows(best[3], others))
-    close = age >= STALE_AFTER and REFRESH_MARGIN * best[0] >= chosen[0]
-    return best if close or age >= REFRESH_ALWAYS else None
 
 
 def _best(options: list[tuple], margin: float = K_MARGIN) -> tuple:

@@ -43,7 +43,7 @@ def price_round(
     draft += sum(
         _catch_up_share(costs, k, alpha, *lag) for k, alpha, lag in drafting if lag[0] > ROUND_LAG
     )
-    verify = costs.verify_cost(verify_rows(ks, others))
+    verify = costs.verify_cost(verify_rows(ks, others), len(ks) + len(others))
     shapes = shapes or [None] * len(ks)
     tokens = len(others) + sum(
         expected_tokens(alpha, k) * (shape[k] if shape else 1.0)

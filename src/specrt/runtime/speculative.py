@@ -207,6 +207,6 @@ def _observe_costs(costs, drafted, steps: Steps, verify_s: float, context: float
     """Refine the cost curves with what this round's calls took: the verify call, at its
     rows' mean context, and each call of the draft model (catch-ups and batched steps) by its
     rows (forced tokens and lookups cost it nothing)."""
-    costs.observe_verify(len(drafted) * (max(drafted) + 1), verify_s, context)
+    costs.observe_verify(len(drafted) * (max(drafted) + 1), verify_s, context, len(drafted))
     for rows, seconds in steps:
         costs.observe_draft(rows, seconds)

@@ -228,7 +228,8 @@ def _round(live: list[_Request], costs: StepCosts) -> float:
     seconds = draft_seconds(feeds, costs)
     looking = [r for r, d in zip(live, decisions, strict=True) if d.look_back and not d.k]
     seconds += sum(r.look_back(costs) for r in looking)
-    seconds += costs.verify_cost(len(live) * (max(drafted for drafted, _, _ in drafts) + 1))
+    widest = max(drafted for drafted, _, _ in drafts)
+    seconds += costs.verify_cost(len(live) * (widest + 1), len(live))
     for r, d, (drafted, steps, counted) in zip(live, decisions, drafts, strict=True):
         if drafted and 1 < r.lag <= CATCH_UP and hasattr(r.policy, "bonus"):
             r.policy.bonus(r.trace.agrees[r.pos - 1], "model")  # as draft_together judges it

@@ -1,0 +1,43 @@
+"""The verify call's cost model: its context term fitted from measured gaps, and measured on a
+real engine without feeding a long prompt."""
+
+from __future__ import annotations
+
+import pytest
+
+from specrt.runtime import SpeculativeRuntime
+from specrt.runtime.costs import PREFIX, StepCosts, _fill, fit_context, measure_costs
+
+
+def test_the_context_term_is_fitted_from_the_gaps():
+    """Gaps made by a known term give it back; a term that noise would make negative is 0,
+    the other fitted alone (the control: plain least squares gives it below 0)."""
+    per_request, per_row, tokens = 5.3e-6, 5.5e-7, 4048
+    shapes = [(1, 1), (1, 9), (4, 1), (4, 9)]
+    gaps = {(b, w): tokens * (per_request * b + per_row * b * w) for b, w in shapes}
+    assert fit_context(gaps, tokens) == (pytest.approx(per_request), pytest.approx(per_row))
+    flat = {(b, w): tokens * per_request * b * (1.1 if w == 1 else 1.0) for b, w in shapes}
+    fitted = fit_context(flat, tokens)
+    assert fitted[1] == 0.0 and fitted[0] == pytest.approx(per_request, rel=0.1)
+
+
+def test_a_call_is_priced_by_its_rows_its_requests_and_their_context():
+    costs = StepCosts(verify={4: 0.10, 8: 0.14}, per_request=1e-5, per_row=1e-6)
+    assert costs.verify_cost(8, 4) == pytest.approx(0.14)  # calibration's own context
+    costs.observe_verify(4, 0.10 + 1000 * (4e-5 + 4e-6), context=PREFIX + 1000, requests=4)
+    assert costs.drift == pytest.approx(1.0)  # the model's price, to the microsecond
+    assert costs.verify_cost(8, 4) == pytest.approx(0.14 + 1000 * (4e-5 + 8e-6))
+    assert costs.verify_cost(8, 8) == pytest.approx(0.14 + 1000 * (8e-5 + 8e-6))
+
+
+def test_calibration_measures_the_context_term_and_leaves_the_slots_empty(agree_bundle):
+    """On a real engine: a long context is written straight into each slot's cache (no
+    prompt fed), the term is measured on it (never negative; how large is the machine's), and
+    every slot is empty again after."""
+    rt = SpeculativeRuntime.load(agree_bundle, threads=1, slots=2, calibrate=False)
+    _fill(rt.target, 2, 100)
+    assert list(rt.target.lengths) == [100, 100]
+    costs = measure_costs(rt.draft, rt.target, 4, slots=2)
+    assert costs.per_request >= 0 and costs.per_row >= 0
+    assert list(rt.target.lengths) == [0, 0]
+    assert not costs.learning and costs.verify_cost(5) > 0

@@ -186,7 +186,7 @@ def test_the_load_benchmark_reports_every_config_at_every_concurrency(
     assert {g["concurrency"] for g in report["goals"]} == {1, 3}
     assert "| adaptive_d-int8_t-int4 |" in (tmp_path / "load.md").read_text()
     assert (tmp_path / "load.png").read_bytes()[:4] == b"\x89PNG"
-    assert starts == [(0, 1.0)] * (2 * 2 * len(names))  # calibration's: no call timed since
+    assert starts == [(0, (1.0, 1.0))] * (2 * 2 * len(names))  # calibration's: no call timed since
 
 
 def test_the_load_benchmark_refuses_bad_levels(bundles, tmp_path):

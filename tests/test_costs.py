@@ -25,7 +25,7 @@ def test_a_call_is_priced_by_its_rows_its_requests_and_their_context():
     costs = StepCosts(verify={4: 0.10, 8: 0.14}, per_request=1e-5, per_row=1e-6)
     assert costs.verify_cost(8, 4) == pytest.approx(0.14)  # calibration's own context
     costs.observe_verify(4, 0.10 + 1000 * (4e-5 + 4e-6), context=PREFIX + 1000, requests=4)
-    assert costs.drift == pytest.approx(1.0)  # the model's price, to the microsecond
+    assert costs.drift == pytest.approx((1.0, 1.0))  # the model's price, to the microsecond
     assert costs.verify_cost(8, 4) == pytest.approx(0.14 + 1000 * (4e-5 + 8e-6))
     assert costs.verify_cost(8, 8) == pytest.approx(0.14 + 1000 * (8e-5 + 8e-6))
 

@@ -1,36 +1,47 @@
 """What a draft step and a verify call cost on this machine: one model of the verify call,
-measured once, scaled by one drift.
+measured once, its two parts scaled by how far the machine moved since.
 
 Costs belong to the engines and the machine, not to one request, so one `StepCosts` lives on the
 runtime and every round reads and refines it. A verify call of B requests with K drafts each
 carries B·(K+1) rows (padding included), a draft step one row per drafting request. Its price:
 
-    drift x (curve(rows) + context x (PER_REQUEST·B + PER_ROW·rows))
+    reads      = curve(1) + context x per_request x B      (the weights, each request's cache)
+    arithmetic = curve(rows) - curve(1) + context x per_row x rows
+    price      = drift[0] x reads + drift[1] x arithmetic
 
 - `curve` is measured at load, by rows, after a PREFIX-token context (`measure_costs`):
   weight-streaming float32 kernels make a 9-row call cost ~1.5x a 1-row call, int4 kernels
   that are compute-bound past one row 3x or more, and no single formula fits both. Counts never
   measured are interpolated between measured neighbours (or extrapolated from the last two), and
-  no count is priced above a larger count's price (it could be padded).
+  no count is priced above a larger count's price (it could be padded). A one-row call is taken
+  as all reads; what more rows add, as arithmetic.
 - The context term is measured at load too, once the curve is: each request's cache is read
   once a call whatever its width, and each row attends over it. On a 2-core AVX-512 EPYC (gguf
   1.5B target), 8,000 tokens of context added ~43 ms a request to a call of one token a
   request and ~4.5 ms more a row: a 4-row call after 4,000 tokens took 1.3x the 1-row one where
   calibration at 48 tokens said 1.55x, and that ratio is what decides whether drafting pays.
-- `drift` is how far the machine's speed has moved since calibration, one number for every
-  call: each call timed moves it (SMOOTHING), never more than SPIKE times the price.
+- `drift` is how far the machine's reads and arithmetic moved since calibration: each call
+  timed moves them a SMOOTHING share of the way to its time (never more than SPIKE times the
+  price), by the least change that explains it, so a narrow call moves mostly the reads and a
+  compute-bound one mostly the arithmetic. Two, not one: on the EPYC a slow spell slowed the
+  reads and left the arithmetic alone. Turn by turn after 4,000 tokens at 4 clients, a round
+  without drafts took 0.18-0.43 s while a round at K = 1 cost 0.10-0.16 s more in each (its
+  ratio to the round without drafts fell from 1.58x to 1.27x as the round slowed); one drift
+  scaling both priced drafting out in the slow turns, where fixed K = 1 won. At 8 short-prompt
+  clients, where a slowdown did scale the compute-bound wide calls, a shift learnt on the narrow
+  calls underpriced them (0.86x the target alone): there the least change moves both.
 
-Why one model and not a time per count: a shared machine swings by a third within a minute, in
+Why a model and not a time per count: a shared machine swings by a third within a minute, in
 spells of seconds (the same 16-row call at 4,000 tokens took 0.29 s one minute and 0.48-0.59 s,
 five times in a row, the next). A table of each count's own last time compares counts timed in
 different spells. At 4 clients after 4,000 tokens, the drafting call priced so was 1.28-1.58x
 the call without drafts where its rounds took 1.07-1.55x the target alone's, the batch stopped
 drafting where fixed K = 1 won, and keeping such a table honest took re-timing rounds off the
 course, staleness rules, and guesses for counts not timed at a new context. Priced by the
-model, two options of one round differ by what the kernels put between them, and a slow spell
-moves both alike. What it gives up: a count that calibration itself timed in a slow spell keeps
-that error, so calibration takes the fastest of its repeats, each repeat a pass over the whole
-grid (a spell of seconds falls on one pass, not on every repeat of one count).
+model, two options of one round differ by what the kernels put between them, whatever spell
+each was last timed in. What it gives up: a count that calibration itself timed in a slow
+spell keeps that error, so calibration takes the fastest of its repeats, each repeat a pass
+over the whole grid (a spell of seconds falls on one pass, not on every repeat of one count).
 
 A lookup (n-gram, prediction) costs nothing next to a call (about 0.05 ms at 2,048 tokens).
 """
@@ -46,6 +57,7 @@ from specrt.engines.base import Engine
 
 SMOOTHING = 0.3  # weight of a new observation: follows load changes within a few rounds
 SPIKE = 1.5  # an observation counts at most this many times the estimate it refines
+DRIFT_FLOOR = 0.1  # no drift goes under this: a run of fast calls never prices a part as free
 PREFIX = 48  # tokens of context behind a calibration call, a typical short prompt
 LONG = 4096  # tokens of context behind the calls that measure the context term
 # Draft calls of this many new tokens in one row: the curve a catch-up (the prompt, rounds served
@@ -59,13 +71,14 @@ CATCH_UP_WIDTHS = [16, 33]
 class StepCosts:
     """Seconds per draft-model step by its rows, and the model of a verify call (see the module
     docstring): its curve by rows after PREFIX tokens, seconds per token of context a request
-    (`per_request`) and a row (`per_row`), and the drift since calibration."""
+    (`per_request`) and a row (`per_row`), and how far the machine's reads and arithmetic
+    moved since calibration (`drift`)."""
 
     draft: dict[int, float] = field(default_factory=dict)
     verify: dict[int, float] = field(default_factory=dict)  # by rows, after PREFIX tokens
     per_request: float = 0.0  # seconds a call spends per request per token of its context
     per_row: float = 0.0  # ...and per row per token of its context
-    drift: float = 1.0  # how far the machine's speed moved since calibration (a factor)
+    drift: tuple[float, float] = (1.0, 1.0)  # factors on a call's (reads, arithmetic)
     rounds: int = 0  # verify calls timed since calibration
     context: float = PREFIX  # tokens of context behind the rows of the last call timed
     learning: bool = field(init=False)  # no curve given: each count priced at its own times
@@ -98,7 +111,8 @@ class StepCosts:
     def verify_cost(self, rows: int, requests: int = 1) -> float:
         """c_verify for a call of `rows` rows over `requests` requests' caches, at the context
         of the last call timed (a batch's next round reads about the same)."""
-        return self.drift * self._model(rows, requests)
+        reads, arithmetic = self._parts(rows, requests)
+        return self.drift[0] * reads + self.drift[1] * arithmetic
 
     def observe_draft(self, rows: int, seconds: float) -> None:
         """One batched draft step of `rows` rows (its padding included)."""
@@ -107,30 +121,43 @@ class StepCosts:
     def observe_verify(
         self, rows: int, seconds: float, context: float | None = None, requests: int = 1
     ) -> None:
-        """One verify call, its rows' mean context given where known: moves the drift by how
-        far it took from the model's price. One call at most SPIKE times its price (a stall,
-        or a first call of a new shape that allocates: after 8,000 tokens at 4 clients, each
-        turn's first 8-row call took 2.3-2.5x the next ones) moves every price 15 % for a
-        round or two, where as a count's own time it priced drafting out for 64 rounds. A
-        runtime not calibrated (`learning`) has no model to scale: it prices each count at its
-        own times, as they come."""
+        """One verify call, its rows' mean context given where known: moves the drifts a
+        SMOOTHING share of the way to what it took, by the least change that explains it (the
+        gap shared between reads and arithmetic as the call's own parts are: a narrow call's
+        mostly to the reads, a compute-bound one's to the arithmetic). One call at most SPIKE
+        times its price (a stall, or a first call of a new shape that allocates: after 8,000
+        tokens at 4 clients, each turn's first 8-row call took 2.3-2.5x the next ones) moves
+        every price 15 % at most for a round or two, where as a count's own time it priced
+        drafting out for 64 rounds. A runtime not calibrated (`learning`) has no model: it
+        prices each count at its own times, as they come."""
         if context is not None:
             self.context = context
         self.rounds += 1
         if self.learning:
             self.verify[rows] = _blend(self.verify.get(rows), seconds)
-        else:
-            self.drift = _blend(self.drift, seconds / self._model(rows, requests))
+            return
+        (reads, arithmetic), (on_reads, on_arithmetic) = self._parts(rows, requests), self.drift
+        price = self.verify_cost(rows, requests)
+        gap = min(seconds, SPIKE * price) - price
+        step = SMOOTHING * gap / max(reads * reads + arithmetic * arithmetic, 1e-12)
+        self.drift = (
+            max(on_reads + step * reads, DRIFT_FLOOR),
+            max(on_arithmetic + step * arithmetic, DRIFT_FLOOR),
+        )
 
     def curve(self, requests: int = 1) -> dict[int, float]:
         """Each calibrated count's price now, for a call over `requests` requests' caches."""
         return {rows: self.verify_cost(rows, requests) for rows in sorted(self.verify)}
 
-    def _model(self, rows: int, requests: int) -> float:
+    def _parts(self, rows: int, requests: int) -> tuple[float, float]:
+        """A call's seconds at calibration's speeds, as (reads, arithmetic): the weights read
+        once a call (the one-row call's time) and each request's cache, then what its rows add
+        (the curve above one row) and their attention over the context."""
         longer = max(self.context - PREFIX, 0.0)
-        return _price(self.verify, rows) + longer * (
-            self.per_request * requests + self.per_row * rows
-        )
+        weights = _price(self.verify, 1)
+        reads = weights + longer * self.per_request * requests
+        arithmetic = max(_price(self.verify, rows) - weights, 0.0) + longer * self.per_row * rows
+        return reads, arithmetic
 
     @property
     def draft_step(self) -> float | None:

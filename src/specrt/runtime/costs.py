@@ -137,7 +137,7 @@ class StepCosts:
             self.verify[rows] = _blend(self.verify.get(rows), seconds)
             return
         (reads, arithmetic), (on_reads, on_arithmetic) = self._parts(rows, requests), self.drift
-        price = self.verify_cost(rows, requests)
+        price = on_reads * reads + on_arithmetic * arithmetic
         gap = min(seconds, SPIKE * price) - price
         step = SMOOTHING * gap / max(reads * reads + arithmetic * arithmetic, 1e-12)
         self.drift = (
@@ -210,7 +210,7 @@ def measure_call_costs(
     shapes = [(batch, width) for batch in batches for width in widths]
     short = min(PREFIX, engine.capacity - max(widths))
     curve: dict[int, float] = {}
-    for (batch, width), seconds in _time_shapes(engine, shapes, [short], repeats).items():
+    for (_, batch, width), seconds in _time_shapes(engine, shapes, [short], repeats).items():
         rows = batch * width
         curve[rows] = min(curve.get(rows, float("inf")), seconds)
     return curve
@@ -252,8 +252,8 @@ def fit_context(gaps: dict[tuple[int, int], float], tokens: int) -> tuple[float,
 
 def _time_shapes(engine: Engine, shapes, contexts: list[int], repeats: int) -> dict:
     """The fastest of `repeats` passes at each (batch, width) shape, after each of `contexts`
-    tokens (descending: a pass fills the rows once and rolls them back), keyed by shape, or by
-    (context, *shape) where there are several contexts."""
+    tokens (descending: a pass fills the rows once and rolls them back), keyed by (context,
+    batch, width)."""
     slots = max(batch for batch, _ in shapes)
     fastest: dict = {}
     for _ in range(repeats):
@@ -265,7 +265,7 @@ def _time_shapes(engine: Engine, shapes, contexts: list[int], repeats: int) -> d
                 start = time.perf_counter()
                 engine.forward_rows([(slot, [1] * width) for slot in range(batch)])
                 seconds = time.perf_counter() - start
-                key = (batch, width) if len(contexts) == 1 else (context, batch, width)
+                key = (context, batch, width)
                 fastest[key] = min(fastest.get(key, float("inf")), seconds)
     for slot in range(slots):
         engine.release(slot)

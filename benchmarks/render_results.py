@@ -29,6 +29,7 @@ RENDERERS = {
     "concurrency": "specrt.tools.concurrency",
     "attention_kernels": "attention_kernels",
     "big_target": "big_target",
+    "call_spells": "call_spells",
     "draft_window": "draft_window",
     "ceilings": "ceilings",
     "gguf_forms": "gguf_forms",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from specrt.runtime import SpeculativeRuntime
-from specrt.runtime.costs import PREFIX, StepCosts, _fill, fit_context, measure_costs
+from specrt.runtime.costs import PREFIX, StepCosts, fill_slots, fit_context, measure_costs
 
 
 def test_the_context_term_is_fitted_from_the_gaps():
@@ -35,7 +35,7 @@ def test_calibration_measures_the_context_term_and_leaves_the_slots_empty(agree_
     prompt fed), the term is measured on it (never negative; how large is the machine's), and
     every slot is empty again after."""
     rt = SpeculativeRuntime.load(agree_bundle, threads=1, slots=2, calibrate=False)
-    _fill(rt.target, 2, 100)
+    fill_slots(rt.target, 2, 100)
     assert list(rt.target.lengths) == [100, 100]
     costs = measure_costs(rt.draft, rt.target, 4, slots=2)
     assert costs.per_request >= 0 and costs.per_row >= 0

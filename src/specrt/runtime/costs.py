@@ -257,7 +257,7 @@ def _time_shapes(engine: Engine, shapes, contexts: list[int], repeats: int) -> d
     slots = max(batch for batch, _ in shapes)
     fastest: dict = {}
     for _ in range(repeats):
-        _fill(engine, slots, max(contexts))
+        fill_slots(engine, slots, max(contexts))
         for context in contexts:
             for batch, width in shapes:
                 for slot in range(batch):
@@ -272,7 +272,7 @@ def _time_shapes(engine: Engine, shapes, contexts: list[int], repeats: int) -> d
     return fastest
 
 
-def _fill(engine: Engine, slots: int, context: int) -> None:
+def fill_slots(engine: Engine, slots: int, context: int) -> None:
     """`context` positions in each of the first `slots` slots, cheaply: what they hold is
     never read back, only how many they are. One slot reads PREFIX tokens, its keys and values
     are written again up to `context` and copied to the others where the backend keeps a host

@@ -20,7 +20,6 @@ how many positions it reads, not on what they hold.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import click
@@ -29,20 +28,11 @@ import numpy as np
 from specrt import machine
 from specrt.files import write_result
 from specrt.runtime import SpeculativeRuntime
-from specrt.runtime.costs import fill_slots
+from specrt.runtime.costs import fill_slots, time_call
 from specrt.runtime.drafters import DRAFT_WINDOW, SCOUT
 
 DRAFT_CONTEXT = DRAFT_WINDOW + SCOUT + 16  # what a windowed draft model reads, about
 CALLS = ("verify 1", "verify 2", "verify 3", "draft 1", "draft 2")
-
-
-def timed(engine, context: int, width: int, requests: int) -> float:
-    """Seconds of one call of `width` tokens for each of `requests` slots after `context`."""
-    for slot in range(requests):
-        engine.rollback(context, slot)
-    start = time.perf_counter()
-    engine.forward_rows([(slot, [1] * width) for slot in range(requests)])
-    return time.perf_counter() - start
 
 
 def passes(bundle: Path, context: int, requests: int, count: int) -> np.ndarray:
@@ -50,12 +40,12 @@ def passes(bundle: Path, context: int, requests: int, count: int) -> np.ndarray:
     rt = SpeculativeRuntime.load(bundle, slots=requests, calibrate=False, prompt_cache=False)
     fill_slots(rt.target, requests, context)
     fill_slots(rt.draft, requests, DRAFT_CONTEXT)
-    calls = {f"verify {w}": (rt.target, context, w) for w in (1, 2, 3)}
-    calls |= {f"draft {w}": (rt.draft, DRAFT_CONTEXT, w) for w in (1, 2)}
+    calls = {f"verify {w}": (rt.target, context, requests, w) for w in (1, 2, 3)}
+    calls |= {f"draft {w}": (rt.draft, DRAFT_CONTEXT, requests, w) for w in (1, 2)}
     order = ["verify 1", "draft 2", "draft 1", "verify 2", "verify 3"]  # narrow and wide apart
     rows = []
     for _ in range(count):
-        seconds = {name: timed(*calls[name], requests) for name in order}
+        seconds = {name: time_call(*calls[name]) for name in order}
         rows.append([seconds[name] for name in CALLS])
     return np.array(rows)
 

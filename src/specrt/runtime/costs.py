@@ -260,16 +260,22 @@ def _time_shapes(engine: Engine, shapes, contexts: list[int], repeats: int) -> d
         fill_slots(engine, slots, max(contexts))
         for context in contexts:
             for batch, width in shapes:
-                for slot in range(batch):
-                    engine.rollback(context, slot)
-                start = time.perf_counter()
-                engine.forward_rows([(slot, [1] * width) for slot in range(batch)])
-                seconds = time.perf_counter() - start
+                seconds = time_call(engine, context, batch, width)
                 key = (context, batch, width)
                 fastest[key] = min(fastest.get(key, float("inf")), seconds)
     for slot in range(slots):
         engine.release(slot)
     return fastest
+
+
+def time_call(engine: Engine, context: int, batch: int, width: int) -> float:
+    """Seconds of one call of `width` tokens in each of the first `batch` slots, each rolled
+    back to `context` positions first (filled by `fill_slots`)."""
+    for slot in range(batch):
+        engine.rollback(context, slot)
+    start = time.perf_counter()
+    engine.forward_rows([(slot, [1] * width) for slot in range(batch)])
+    return time.perf_counter() - start
 
 
 def fill_slots(engine: Engine, slots: int, context: int) -> None:

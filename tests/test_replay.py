@@ -13,6 +13,7 @@ from fixed_costs import FixedCosts, flat_costs, gguf_costs
 from specrt.errors import SpecrtError
 from specrt.runtime import SpeculativeRuntime, joint
 from specrt.runtime.controller import DOUBT_AFTER, Adaptive
+from specrt.runtime.drafters import LOOK_BACK
 from specrt.runtime.joint import LOOK_BACK_AT, PROBE_AFTER_ALONE
 from specrt.runtime.pool import PooledAcceptance
 from specrt.tools import replay
@@ -48,6 +49,54 @@ def test_a_replayed_round_is_priced_as_the_loop_calls_the_engines():
     replayed = replay.replay([trace], "fixed:2", 1, costs)
     assert replayed.ks == [[2, 2, 1]] and replayed.accepted == [[1, 2, 1]]
     assert replayed.tokens_per_s == pytest.approx(7 / (37 + 32 + 22))
+
+
+def test_a_replayed_draft_model_fallen_behind_reads_on_from_the_last_tokens_as_the_loop():
+    """After a long prompt, a draft model 40 tokens behind reads on from the sequence's last
+    `resume` tokens (ModelDrafter's resume view) and a look-back reads the last LOOK_BACK, as
+    in the loop; before it read anything it reads its whole scout, and after a short prompt
+    it reads everything it missed. Control: the replay before counted all 41 (its catch-up
+    grew a token a round), and alone on the 4th recorded answer after 4,000 tokens, on the
+    next test's true curves, a stop at round 20 priced every probe out to the answer's end
+    (0.84x the best fixed K; reading on from the last 32, it probed back at round 60,
+    0.955x)."""
+    costs = FixedCosts(draft={1: 1.0, 64: 64.0}, verify={1: 10.0, 16: 160.0})
+    long = replay._Request(replay.Trace(1048, [False] * 100, [1.0] * 100), Adaptive())
+    assert long.context(8).lag == 33  # the prompt's scout and the first token, all of it
+    long.advance(1, 1, 1, 1)  # a draft, rejected: the draft model read the scout
+    for _ in range(40):
+        long.advance(0, 0, 0, 0)
+    assert long.lag == 41 and long.context(8).lag == 8 and long.context(32).lag == 32
+    assert long.look_back(costs) == pytest.approx(LOOK_BACK)
+    short = replay._Request(replay.Trace(40, [False] * 100, [1.0] * 100), Adaptive())
+    short.advance(1, 1, 1, 1)
+    for _ in range(40):
+        short.advance(0, 0, 0, 0)
+    assert short.context(8).lag == 41
+
+
+def test_a_replay_chooses_on_its_costs_and_times_the_rounds_on_the_truth():
+    """A calibration in error, replayed (benchmarks/price_error.py): the 2-token call after
+    4,000 tokens priced 1.21x the 1-token call where it takes 1.12x. The policy makes the same
+    choices as priced and timed on the curve in error, and its rounds take the truth's
+    seconds: fixed K = 1, which reads no price, runs as fast as on the truth alone (control:
+    timed on the curve in error, it runs slower), and adaptive on a recorded question alone
+    stops where, priced right, it drafts on."""
+    draft = {1: 0.0138, 2: 0.0166, 4: 0.0257, 8: 0.0403, 16: 0.0635, 33: 0.113}
+    truth = FixedCosts(draft=draft, verify={1: 0.087, 2: 0.0974, 3: 0.1157, 9: 0.2149})
+    dear = FixedCosts(draft=draft, verify={1: 0.087, 2: 0.1053, 3: 0.1372, 9: 0.3108})
+    question = replay.load(LONG)[0]  # after 4,000 tokens, its drafts kept 0.45 of the time
+
+    def run(controller: str, costs, on=None) -> replay.Replay:
+        return replay.replay([question], controller, 1, costs, pool=PooledAcceptance(), truth=on)
+
+    fixed = run("fixed:1", truth).tokens_per_s
+    assert run("fixed:1", dear, truth).tokens_per_s == pytest.approx(fixed)
+    assert run("fixed:1", dear).tokens_per_s < 0.95 * fixed
+    wrong, timed_wrong = run("adaptive", dear, truth), run("adaptive", dear)
+    assert wrong.ks == timed_wrong.ks and wrong.tokens_per_s > timed_wrong.tokens_per_s
+    right = run("adaptive", truth)
+    assert 0 not in right.ks[0][2:-1] and wrong.ks[0].count(0) > 20
 
 
 def test_an_unsure_draft_ends_the_replayed_drafts_as_in_the_loop():

@@ -16,11 +16,11 @@ call padded to the widest request, requests in lockstep groups of `clients`. Aft
 prompt the draft model starts from the prompt's scout (drafters.py's `ModelDrafter.start`), and
 a look-back judges the recorded agreement at the tokens it reads, in a draft call of its own.
 What it leaves out: prefill, host work between calls, the clock's noise, the curves'
-refinement by the rounds (the policy sees the true curve), the draft's window (it reads the
-scout throughout) and what it guesses after it skipped tokens (it guesses as if it had read
-them); the benchmarks measure those. On the policy before 9688d3f, after 4,000 tokens at 4
-clients and replayed on the costs the benchmark's runs measured, the grid's cells came within
-0.01-0.04 of their measured ratios
+refinement by the rounds (the policy sees the true curve, or one in error where `replay` is
+given the truth apart), the draft's window (it reads the scout throughout) and what it
+guesses after it skipped tokens (it guesses as if it had read them); the benchmarks measure
+those. On the policy before 9688d3f, after 4,000 tokens at 4 clients and replayed on the costs
+the benchmark's runs measured, the grid's cells came within 0.01-0.04 of their measured ratios
 (a question 0.93x fixed K = 1 replayed, 0.89x measured; a summary 0.95x, 0.95x; after 1,000
 tokens of system prompt 0.96x, 0.96x).
 """
@@ -38,7 +38,13 @@ from specrt.errors import SpecrtError
 from specrt.files import write_json_atomic
 from specrt.runtime.controller import make_controller
 from specrt.runtime.costs import StepCosts
-from specrt.runtime.drafters import DRAFT_WINDOW, LOOK_BACK, ModelDrafter, prompt_skips
+from specrt.runtime.drafters import (
+    DRAFT_WINDOW,
+    LOOK_BACK,
+    ModelDrafter,
+    prompt_skips,
+    resume_length,
+)
 from specrt.runtime.drafting import CATCH_UP, draft_seconds
 from specrt.runtime.joint import decide_round
 from specrt.runtime.policy import RoundContext
@@ -111,10 +117,14 @@ def replay(
     costs: StepCosts,
     k_max: int = 8,
     pool: PooledAcceptance | None = None,
+    truth: StepCosts | None = None,
 ) -> Replay:
     """Tokens per second of `controller` serving the traces `clients` at a time. pool: the
-    acceptance the runtime has seen (default: none yet, so a batch first drafts to learn it)."""
+    acceptance the runtime has seen (default: none yet, so a batch first drafts to learn it).
+    truth: what the rounds take, where the policy prices them by `costs` (default: the same):
+    a calibration's error, replayed (benchmarks/price_error.py)."""
     pool = PooledAcceptance() if pool is None else pool
+    truth = costs if truth is None else truth
     seconds, tokens, requests = 0.0, 0, []
     for start in range(0, len(traces), clients):
         group = [
@@ -122,7 +132,7 @@ def replay(
             for trace in traces[start : start + clients]
         ]
         while live := [r for r in group if r.pos < len(r.trace.agrees)]:
-            seconds += _round(live, costs)
+            seconds += _round(live, costs, truth)
         tokens += sum(len(r.trace.agrees) - 1 for r in group)  # the first is the prefill's
         requests += group
     if not seconds:
@@ -141,6 +151,8 @@ class _Request:
     policy: object
     pos: int = 1  # the answer's next token; prefill drew the first
     lag: int = field(init=False)  # tokens the draft model has not read
+    scouted: bool = field(init=False)  # its long prompt read as a scout: it may skip tokens...
+    skips: bool = field(init=False)  # ...once it read them (ModelDrafter: its cache holds some)
     ks: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
     looks: list[list[bool]] = field(default_factory=list)  # each look-back's guesses, kept or not
@@ -148,18 +160,24 @@ class _Request:
     def __post_init__(self):
         # at first what it reads of the prompt (ModelDrafter.start), and prefill's token
         prompt = self.trace.prompt_tokens
-        self.lag = prompt - prompt_skips(prompt, DRAFT_WINDOW)[1] + 1
+        skip = prompt_skips(prompt, DRAFT_WINDOW)[1]
+        self.lag, self.scouted, self.skips = prompt - skip + 1, skip > 0, False
+
+    def reads(self, most: int) -> int:
+        """Tokens the draft model reads to catch up: its lag, or, where a long prompt let it
+        skip and it read since, its last `most` (ModelDrafter's resume, and its look-back's
+        LOOK_BACK): the rest it skips."""
+        return min(self.lag, most) if self.skips else self.lag
 
     @property
     def room(self) -> int:
         return len(self.trace.agrees) - self.pos - 1
 
-    def context(self) -> RoundContext:
+    def context(self, resume: int) -> RoundContext:
         position = self.trace.prompt_tokens + self.pos
         room, remaining = self.room, max(1, self.room + 1)
-        return RoundContext(
-            room, position, remaining, "model", self.lag, self.unjudged, True, self.pos
-        )
+        lag = self.reads(resume)
+        return RoundContext(room, position, remaining, "model", lag, self.unjudged, True, self.pos)
 
     @property
     def unjudged(self) -> int:
@@ -172,8 +190,8 @@ class _Request:
         call (the first after the prompt also reads its scout); the draft model is then caught
         up. Returns the call's seconds."""
         judged = self.unjudged
-        read = max(self.lag, judged + 1)
-        self.lag = 1
+        read = max(self.reads(LOOK_BACK), judged + 1)
+        self.lag, self.skips = 1, self.scouted
         self.looks.append(list(self.trace.agrees[self.pos - judged : self.pos]))
         return costs.draft_cost("model", 1, read)
 
@@ -197,6 +215,7 @@ class _Request:
         self.accepted.append(accepted)
         if drafted:  # it read `steps - 1` drafts, then was rolled back to the accepted ones
             self.lag = accepted + 1 - min(accepted, steps - 1)
+            self.skips = self.scouted
         else:
             self.lag += 1
         self.pos += accepted + 1
@@ -221,17 +240,23 @@ def _drafts(live: list[_Request], ks: list[int]) -> list[tuple[int, int, int]]:
     return [(drafted, steps, drafted if sure is None else sure) for drafted, steps, sure in taken]
 
 
-def _round(live: list[_Request], costs: StepCosts) -> float:
-    decisions = decide_round([r.policy for r in live], [r.context() for r in live], costs)
+def _round(live: list[_Request], costs: StepCosts, truth: StepCosts) -> float:
+    """One round's seconds on `truth`, its K chosen on `costs`; a draft model that fell
+    behind reads on from the last tokens the runtime would tell it (`resume_length`)."""
+    resume = resume_length(costs, len(live))
+    contexts = [r.context(resume) for r in live]
+    decisions = decide_round([r.policy for r in live], contexts, costs)
     drafts = _drafts(live, [d.k for d in decisions])
-    feeds = [(r.lag, steps) for r, (drafted, steps, _) in zip(live, drafts, strict=True) if drafted]
-    seconds = draft_seconds(feeds, costs)
+    feeds = [
+        (c.lag, steps) for c, (drafted, steps, _) in zip(contexts, drafts, strict=True) if drafted
+    ]
+    seconds = draft_seconds(feeds, truth)
     looking = [r for r, d in zip(live, decisions, strict=True) if d.look_back and not d.k]
-    seconds += sum(r.look_back(costs) for r in looking)
+    seconds += sum(r.look_back(truth) for r in looking)
     widest = max(drafted for drafted, _, _ in drafts)
-    seconds += costs.verify_cost(len(live) * (widest + 1), len(live))
+    seconds += truth.verify_cost(len(live) * (widest + 1), len(live))
     for r, d, (drafted, steps, counted) in zip(live, decisions, drafts, strict=True):
-        if drafted and 1 < r.lag <= CATCH_UP and hasattr(r.policy, "bonus"):
+        if drafted and 1 < r.reads(resume) <= CATCH_UP and hasattr(r.policy, "bonus"):
             r.policy.bonus(r.trace.agrees[r.pos - 1], "model")  # as draft_together judges it
         r.advance(d.k, drafted, steps, counted)
     for r in looking:

@@ -30,6 +30,7 @@ RENDERERS = {
     "attention_kernels": "attention_kernels",
     "big_target": "big_target",
     "call_spells": "call_spells",
+    "price_error": "price_error",
     "draft_window": "draft_window",
     "ceilings": "ceilings",
     "gguf_forms": "gguf_forms",

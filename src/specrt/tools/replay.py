@@ -13,8 +13,9 @@ arithmetic: the same tokens per second on every machine, every time. It runs the
 controllers (`decide_round`, `observe`, a shared `PooledAcceptance`) and prices each round as
 the loop runs it: the draft model's catch-ups and steps (padded to the widest feed), the verify
 call padded to the widest request, requests in lockstep groups of `clients`. After a long
-prompt the draft model starts from the prompt's scout (drafters.py's `ModelDrafter.start`), and
-a look-back judges the recorded agreement at the tokens it reads, in a draft call of its own.
+prompt the draft model starts from the prompt's scout (drafters.py's `ModelDrafter.start`),
+reads on from the sequence's last tokens where it fell behind (`resume_length`), and a
+look-back judges the recorded agreement at the tokens it reads, in a draft call of its own.
 What it leaves out: prefill, host work between calls, the clock's noise, the curves'
 refinement by the rounds (the policy sees the true curve, or one in error where `replay` is
 given the truth apart), the draft's window (it reads the scout throughout) and what it

@@ -41,12 +41,7 @@ course, staleness rules, and guesses for counts not timed at a new context. Pric
 model, two options of one round differ by what the kernels put between them, whatever spell
 each was last timed in. What it gives up: a count that calibration itself timed in a slow
 spell keeps that error, so calibration takes the fastest of its repeats, each repeat a pass
-over the whole grid (a spell of seconds falls on one pass, not on every repeat of one count),
-and times the calls a choice between K = 0, 1 and 2 turns on, and the context term, in more
-passes (`PASSES`): there a few milliseconds decide. Beside a neighbour working in bursts, the
-fastest of two passes priced a 2-row call after 4,000 tokens 1.00-1.26x the 1-row call where
-it took 1.10x (a lone question stopped on 1.21x and 1.24x, 0.91x and 0.955x fixed K = 1); the
-fastest of six, 1.06-1.16x.
+over the whole grid (a spell of seconds falls on one pass, not on every repeat of one count).
 
 A lookup (n-gram, prediction) costs nothing next to a call (about 0.05 ms at 2,048 tokens).
 """
@@ -65,8 +60,6 @@ SPIKE = 1.5  # an observation counts at most this many times the estimate it ref
 DRIFT_FLOOR = 0.1  # no drift goes under this: a run of fast calls never prices a part as free
 PREFIX = 48  # tokens of context behind a calibration call, a typical short prompt
 LONG = 4096  # tokens of context behind the calls that measure the context term
-NARROW = 3  # calls of at most this many tokens a row (K <= 2, where most choices fall)...
-PASSES = 6  # ...and the context term's calls are timed in this many passes at least
 # Draft calls of this many new tokens in one row: the curve a catch-up (the prompt, rounds served
 # by a lookup or at K = 0) is priced on, extrapolated past 33 until the rounds measure catch-ups
 # of their own sizes (draft_together reports them). With draft steps alone a one-slot runtime
@@ -212,17 +205,12 @@ def measure_call_costs(
 ) -> dict[int, float]:
     """Seconds of one call of B rows x S new tokens for each B in batches and S in widths, after
     a `PREFIX`-token context in every row, keyed by rows B·S (the fastest of `repeats` passes
-    over the grid, and of PASSES for calls of up to NARROW tokens a row: the machine is shared,
-    and noise only ever adds time; on a tie of rows the cheaper shape)."""
+    over the grid: the machine is shared, and noise only ever adds time; on a tie of rows the
+    cheaper shape)."""
     shapes = [(batch, width) for batch in batches for width in widths]
     short = min(PREFIX, engine.capacity - max(widths))
-    times = _time_shapes(engine, shapes, [short], repeats)
-    narrow = [(batch, width) for batch, width in shapes if width <= NARROW]
-    if narrow and repeats < PASSES:
-        more = _time_shapes(engine, narrow, [short], PASSES - repeats)
-        times = {key: min(seconds, more.get(key, seconds)) for key, seconds in times.items()}
     curve: dict[int, float] = {}
-    for (_, batch, width), seconds in times.items():
+    for (_, batch, width), seconds in _time_shapes(engine, shapes, [short], repeats).items():
         rows = batch * width
         curve[rows] = min(curve.get(rows, float("inf")), seconds)
     return curve
@@ -231,18 +219,18 @@ def measure_call_costs(
 def measure_context(engine: Engine, widths: list[int], repeats: int = 2) -> tuple[float, float]:
     """Seconds a call spends per token of context a request and a row (`StepCosts.per_request`,
     `per_row`): the narrowest and the widest call of one request, timed after PREFIX and after
-    LONG tokens in each of PASSES passes at least, the gaps fitted (`fit_context`). One
-    request, not a batch: a batch's caches are read as one request's are, once each (after
-    4,096 tokens on a 2-core EPYC, 4 requests' gap was 4.0x one request's at one token each),
-    and a batch of long caches is what a neighbour's memory traffic slows: in three
-    calibrations of five, the 4-request calls after 4,096 tokens took 2.2x their usual time
-    while one request's did not, and the term fitted on them was 4x too dear. (0, 0) where
-    the engine holds no more than a short context."""
+    LONG tokens in each pass, the gaps fitted (`fit_context`). One request, not a batch: a
+    batch's caches are read as one request's are, once each (after 4,096 tokens on a 2-core
+    EPYC, 4 requests' gap was 4.0x one request's at one token each), and a batch of long
+    caches is what a neighbour's memory traffic slows: in three calibrations of five, the
+    4-request calls after 4,096 tokens took 2.2x their usual time while one request's did not,
+    and the term fitted on them was 4x too dear. (0, 0) where the engine holds no more than a
+    short context."""
     long = min(LONG, engine.capacity - max(widths))
     if long <= 2 * PREFIX:
         return 0.0, 0.0
     shapes = [(1, min(widths)), (1, max(widths))]
-    times = _time_shapes(engine, shapes, [long, PREFIX], max(repeats, PASSES))
+    times = _time_shapes(engine, shapes, [long, PREFIX], repeats)
     gaps = {(b, w): times[long, b, w] - times[PREFIX, b, w] for b, w in shapes}
     return fit_context(gaps, long - PREFIX)
 

@@ -72,17 +72,16 @@ def answers() -> dict[str, list[replay.Trace]]:
     return sets
 
 
-def ratios(traces: list[replay.Trace], priced: StepCosts, truth: StepCosts) -> list[float]:
-    """Adaptive priced on `priced` over the best fixed K (0-2) on `truth`, answer by answer."""
+def speed(trace: replay.Trace, controller: str, priced: StepCosts, truth: StepCosts) -> float:
+    """Tokens per second of one answer alone, chosen on `priced` and timed on `truth`."""
+    one = replay.replay([trace], controller, 1, priced, pool=PooledAcceptance(), truth=truth)
+    return one.tokens_per_s
 
-    def speed(trace, controller, costs):
-        one = replay.replay([trace], controller, 1, costs, pool=PooledAcceptance(), truth=truth)
-        return one.tokens_per_s
 
-    return [
-        speed(t, "adaptive", priced) / max(speed(t, f"fixed:{k}", truth) for k in range(3))
-        for t in traces
-    ]
+def best_fixed(traces: list[replay.Trace], truth: StepCosts) -> list[float]:
+    """Each answer's speed at the best fixed K (0-2) on `truth`: no fixed K reads a price, so
+    one list serves every factor."""
+    return [max(speed(t, f"fixed:{k}", truth, truth) for k in range(3)) for t in traces]
 
 
 def markdown(result: dict) -> str:
@@ -108,11 +107,13 @@ def markdown(result: dict) -> str:
 @click.option("--out", type=click.Path(path_type=Path), help="Write OUT.json and OUT.md.")
 def main(factors: str, out: Path | None) -> None:
     truth, sets, rows = curve(1.0), answers(), []
+    best = {name: best_fixed(traces, truth) for name, traces in sets.items()}
     for factor in [float(f) for f in factors.split(",")]:
         priced = curve(factor)
         cells = {}
         for name, traces in sets.items():
-            got = ratios(traces, priced, truth)
+            pairs = zip(traces, best[name], strict=True)
+            got = [speed(t, "adaptive", priced, truth) / b for t, b in pairs]
             cells[name] = {"mean": float(np.mean(got)), "lowest": float(np.min(got))}
         rows.append({"factor": factor, "priced_2": priced.verify[2] / ONE, "cells": cells})
     result = {

@@ -256,8 +256,8 @@ def _round(live: list[_Request], costs: StepCosts, truth: StepCosts) -> float:
     seconds += sum(r.look_back(truth) for r in looking)
     widest = max(drafted for drafted, _, _ in drafts)
     seconds += truth.verify_cost(len(live) * (widest + 1), len(live))
-    for r, d, (drafted, steps, counted) in zip(live, decisions, drafts, strict=True):
-        if drafted and 1 < r.reads(resume) <= CATCH_UP and hasattr(r.policy, "bonus"):
+    for r, c, d, (drafted, steps, counted) in zip(live, contexts, decisions, drafts, strict=True):
+        if drafted and 1 < c.lag <= CATCH_UP and hasattr(r.policy, "bonus"):
             r.policy.bonus(r.trace.agrees[r.pos - 1], "model")  # as draft_together judges it
         r.advance(d.k, drafted, steps, counted)
     for r in looking:

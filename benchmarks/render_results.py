@@ -31,6 +31,7 @@ RENDERERS = {
     "big_target": "big_target",
     "call_spells": "call_spells",
     "price_error": "price_error",
+    "calibration_error": "calibration_error",
     "draft_window": "draft_window",
     "ceilings": "ceilings",
     "gguf_forms": "gguf_forms",

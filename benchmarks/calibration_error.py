@@ -54,7 +54,6 @@ def one_load(bundle: Path, contexts: list[int], rotations: int) -> dict:
         one = costs.verify_cost(1)
         priced = {w: costs.verify_cost(w) / one for w in WIDTHS[1:]}
         load[context] = {"priced": priced, "timed": timed_ratios(rt.target, context, rotations)}
-    rt.target.release(0)
     return load
 
 
@@ -126,7 +125,7 @@ def main(bundle: Path, loads: int, contexts: str, rotations: int, out: Path | No
         "loads": loads,
         "rotations": rotations,
         "summary": summary(measured, sizes),
-        "measured": [{str(c): v for c, v in load.items()} for load in measured],
+        "measured": measured,  # json writes the contexts and widths as strings
     }
     click.echo(text := markdown(result))
     write_result(out, result, text)

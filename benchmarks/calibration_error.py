@@ -2,23 +2,28 @@
 
 Whether a request drafts after a long prompt turns on how much dearer the target's call of 2 or
 3 tokens is than its call of one (`c_verify(K)/c_verify(0)` in the adaptive policy's reasons).
-Calibration prices that from its model (runtime/costs.py: a curve timed after 48 tokens, the
-fastest of two passes, and a context term linear in the rows), and a lone question after 4,000
-tokens ran 0.90-0.99x fixed K = 1 as calibration's draw priced the 2-token call 1.04-1.24x
-(docs/limits.md). This puts a number on that draw: each load (a fresh runtime, one slot)
+Calibration once priced that from its model alone (runtime/costs.py: a curve timed after 48
+tokens, the fastest of two passes, and a context term linear in the rows), and a lone question
+after 4,000 tokens ran 0.90-0.99x fixed K = 1 as calibration's draw priced the 2-token call
+1.04-1.24x (docs/limits.md); now it times those calls at knots of context too
+(`measure_narrow`). This puts a number on the draw: each load (a fresh runtime, one slot)
 calibrates as a runtime does, then its calls of 1, 2 and 3 tokens after each CONTEXT are timed
 back to back, rotated `--rotations` times (each width first in turn), and their medians are
-the truth it is compared with. A spell of the machine falls on a rotation's three calls alike.
+the truth it is compared with, beside the same load's model alone. A spell of the machine falls
+on a rotation's three calls alike. Contexts off the knots (3,000, 6,000) judge the
+interpolation between them.
 
 The slot holds placeholder keys and values (costs.py's `fill_slots`): a call's time depends on
 how many positions it reads, not on what they hold.
 
-    python benchmarks/calibration_error.py BUNDLE [--loads 6] [--contexts 1040,4040,8040] \
-        [--rotations 16] [--out benchmarks/results/cpu-calibration-error]
+    python benchmarks/calibration_error.py BUNDLE [--loads 6] \
+        [--contexts 1040,3000,4040,6000,8040] [--rotations 16] \
+        [--out benchmarks/results/cpu-calibration-error]
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import click
@@ -27,33 +32,32 @@ import numpy as np
 from specrt import machine
 from specrt.files import write_result
 from specrt.runtime import SpeculativeRuntime
-from specrt.runtime.costs import fill_slots, time_call
+from specrt.runtime.costs import fill_slots, time_rotated
 
 WIDTHS = (1, 2, 3)  # K = 0, 1, 2: what a request after a long prompt chooses between
 
 
 def timed_ratios(engine, context: int, rotations: int) -> dict[int, float]:
     """Each width's median call over the 1-token call's, after `context` tokens."""
-    times: dict[int, list[float]] = {w: [] for w in WIDTHS}
-    for i in range(rotations):
-        k = i % len(WIDTHS)
-        for width in WIDTHS[k:] + WIDTHS[:k]:
-            times[width].append(time_call(engine, context, 1, width))
-    one = float(np.median(times[1]))
-    return {w: float(np.median(times[w])) / one for w in WIDTHS[1:]}
+    medians = time_rotated(engine, context, list(WIDTHS), rotations)
+    return {w: medians[w] / medians[1] for w in WIDTHS[1:]}
 
 
 def one_load(bundle: Path, contexts: list[int], rotations: int) -> dict:
-    """A fresh runtime's calibrated ratios and the timed ones at each context."""
+    """A fresh runtime's calibrated ratios at each context, the same costs' ratios without
+    the narrow calls timed at the knots (the model alone: the comparison in one load), and
+    the timed ones."""
     rt = SpeculativeRuntime.load(bundle, slots=1, calibrate=False, prompt_cache=False)
     costs = rt.calibrate()
+    modelled = dataclasses.replace(costs, narrow={})
     fill_slots(rt.target, 1, max(contexts))
     load = {}
     for context in sorted(contexts, reverse=True):  # each call rolls the slot back
-        costs.context = context
-        one = costs.verify_cost(1)
-        priced = {w: costs.verify_cost(w) / one for w in WIDTHS[1:]}
-        load[context] = {"priced": priced, "timed": timed_ratios(rt.target, context, rotations)}
+        load[context] = {"timed": timed_ratios(rt.target, context, rotations)}
+        for name, priced in (("priced", costs), ("modelled", modelled)):
+            priced.context = context
+            one = priced.verify_cost(1)
+            load[context][name] = {w: priced.verify_cost(w) / one for w in WIDTHS[1:]}
     return load
 
 
@@ -64,6 +68,7 @@ def summary(loads: list[dict], contexts: list[int]) -> list[dict]:
         for width in WIDTHS[1:]:
             priced = np.array([load[context]["priced"][width] for load in loads])
             timed = np.array([load[context]["timed"][width] for load in loads])
+            modelled = np.array([load[context]["modelled"][width] for load in loads])
             error = priced - timed
             rows.append(
                 {
@@ -76,6 +81,7 @@ def summary(loads: list[dict], contexts: list[int]) -> list[dict]:
                     "correlation": float(np.corrcoef(priced, timed)[0, 1])
                     if len(loads) > 2
                     else None,
+                    "modelled_rms": float(np.sqrt(((modelled - timed) ** 2).mean())),
                 }
             )
     return rows
@@ -91,24 +97,32 @@ def markdown(result: dict) -> str:
         f"(medians). `{result['command']}`",
         "",
         "| context | call of | calibration prices it | timed | error, root mean square | "
-        "mean error | correlation |",
-        "|---|---|---|---|---|---|---|",
+        "mean error | correlation | without the knots: RMS |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in result["summary"]:
         corr = "–" if row["correlation"] is None else f"{row['correlation']:.2f}"
+        modelled = row.get("modelled_rms")  # results before the knots have no second price
         lines.append(
             f"| {row['context']:,} | {row['width']} tokens | {row['priced'][0]:.3f}-"
             f"{row['priced'][1]:.3f}x | {row['timed'][0]:.3f}-{row['timed'][1]:.3f}x | "
-            f"{row['rms']:.3f} | {row['mean_error']:+.3f} | {corr} |"
+            f"{row['rms']:.3f} | {row['mean_error']:+.3f} | {corr} | "
+            f"{'–' if modelled is None else f'{modelled:.3f}'} |"
         )
-    lines += ["", "Each ratio is over the call of one token at the same context.", ""]
+    lines += [
+        "",
+        "Each ratio is over the call of one token at the same context. Without the knots: the "
+        "same load's costs priced by the model alone (`StepCosts.narrow` emptied), as before "
+        "the narrow calls were timed at 1,024, 2,048, 4,096 and 8,192 tokens.",
+        "",
+    ]
     return "\n".join(lines)
 
 
 @click.command()
 @click.argument("bundle", type=click.Path(exists=True, path_type=Path))
 @click.option("--loads", default=6, show_default=True, help="Fresh runtimes, one after another.")
-@click.option("--contexts", default="1040,4040,8040", show_default=True)
+@click.option("--contexts", default="1040,3000,4040,6000,8040", show_default=True)
 @click.option("--rotations", default=16, show_default=True, help="Calls of each width timed.")
 @click.option("--out", type=click.Path(path_type=Path), help="Write OUT.json and OUT.md.")
 def main(bundle: Path, loads: int, contexts: str, rotations: int, out: Path | None) -> None:

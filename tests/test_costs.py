@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 
 from specrt.runtime import SpeculativeRuntime
-from specrt.runtime.costs import PREFIX, StepCosts, fill_slots, fit_context, measure_costs
+from specrt.runtime.costs import (
+    PREFIX,
+    StepCosts,
+    fill_slots,
+    fit_context,
+    measure_costs,
+    measure_narrow,
+)
 
 
 def test_the_context_term_is_fitted_from_the_gaps():
@@ -41,3 +48,41 @@ def test_calibration_measures_the_context_term_and_leaves_the_slots_empty(agree_
     assert costs.per_request >= 0 and costs.per_row >= 0
     assert list(rt.target.lengths) == [0, 0]
     assert not costs.learning and costs.verify_cost(5) > 0
+
+
+def test_a_narrow_call_is_priced_as_it_was_timed_at_the_knots():
+    """After a long context the 2- and 3-token calls cost what they were timed to cost over the
+    1-token call at the knots, interpolated between them, and a wider call adds `per_row` a
+    row beyond the widest narrow one. The control: the same costs without the knots price the
+    2-token call by the line through the rows, 1.5 ms over the 1-token call after 4,096
+    tokens where it was timed 10 ms over."""
+    curve = {1: 0.080, 2: 0.084, 3: 0.090, 4: 0.096}
+    narrow = {1024: {1: 0.0, 2: 0.006, 3: 0.020}, 4096: {1: 0.0, 2: 0.010, 3: 0.030}}
+    timed = StepCosts(verify=curve, per_request=5e-6, per_row=1e-6, narrow=narrow)
+    plain = StepCosts(verify=curve, per_request=5e-6, per_row=1e-6)
+    for costs in (timed, plain):
+        costs.context = 4096
+    one = timed.verify_cost(1)
+    assert one == pytest.approx(plain.verify_cost(1))  # the 1-token call is the reads' alone
+    assert timed.verify_cost(2) - one == pytest.approx(0.010)
+    assert timed.verify_cost(3) - one == pytest.approx(0.030)
+    assert timed.verify_cost(4) - timed.verify_cost(3) == pytest.approx(0.006 + 4048e-6)
+    assert plain.verify_cost(2) - plain.verify_cost(1) == pytest.approx(0.004 + 4048e-6)
+    timed.context = (1024 + 4096) / 2  # halfway: half of each knot's gap
+    assert timed.verify_cost(2) - timed.verify_cost(1) == pytest.approx(0.008)
+    timed.context = 8192  # past the last knot: per_row a row and a token on
+    assert timed.verify_cost(2) - timed.verify_cost(1) == pytest.approx(0.010 + 4096e-6)
+    timed.context = PREFIX  # calibration's own context: its curve
+    assert timed.verify_cost(2) == pytest.approx(0.084)
+
+
+def test_the_narrow_calls_are_timed_at_each_knot_up_to_the_longest_context(agree_bundle):
+    """On a real engine: each width's gap over the 1-token call at each knot the longest
+    context reaches, never below a narrower width's, and the slot empty again after."""
+    rt = SpeculativeRuntime.load(agree_bundle, threads=1, calibrate=False)
+    narrow = measure_narrow(rt.target, [1, 2, 3], [64, 100], rotations=3)
+    assert sorted(narrow) == [64, 100] and list(rt.target.lengths) == [0]
+    for gaps in narrow.values():
+        assert gaps[1] == 0.0 and 0.0 <= gaps[2] <= gaps[3]
+    costs = measure_costs(rt.draft, rt.target, 4, longest=80, knots=(64, 100))
+    assert sorted(costs.narrow) == [64] and list(rt.target.lengths) == [0]

@@ -114,8 +114,10 @@ def generate(
         drafter=drafter,
         threads=threads,
         draft_window=draft_window or None,
+        calibrate=False,
     )
     request = [{"role": "user", "content": prompt}] if chat else prompt
+    runtime.calibrate(longest=len(runtime.encode(request)) + max_new_tokens)
     generation = runtime.stream(
         request,
         max_new_tokens=max_new_tokens,

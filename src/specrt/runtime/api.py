@@ -90,13 +90,20 @@ class SpeculativeRuntime:
         """How many requests the engines can hold side by side (a server's batch)."""
         return self.target.slots
 
-    def calibrate(self) -> StepCosts:
+    def calibrate(self, longest: int | None = None) -> StepCosts:
         """Measure the draft step and the verify curve for K = 0..K_max at each batch size up to
         the engines' slots (a few target calls), so the adaptive policy's first rounds already
-        use this machine's costs."""
+        use this machine's costs. `longest`: the most tokens of context a request will bring
+        (a one-off generation's prompt and answer), so the narrow calls are not timed after
+        longer contexts than that (`measure_narrow`: ~4-9 s a knot on a 2-core EPYC)."""
         bundle = self.bundle
         self.costs = measure_costs(
-            self.draft, self.target, bundle.max_draft, slots=self.slots, k_lookup=bundle.max_lookup
+            self.draft,
+            self.target,
+            bundle.max_draft,
+            slots=self.slots,
+            k_lookup=bundle.max_lookup,
+            longest=longest,
         )
         return self.costs
 

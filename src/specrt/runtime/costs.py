@@ -65,6 +65,11 @@ LONG = 4096  # tokens of context behind the calls that measure the context term
 # of their own sizes (draft_together reports them). With draft steps alone a one-slot runtime
 # knew one point of the draft curve, and priced every catch-up at nothing.
 CATCH_UP_WIDTHS = [16, 33]
+# The narrow calls (K = 0-2, what a request after a long prompt chooses between) are timed near
+# the contexts requests bring, not modelled from 48 tokens: see `measure_narrow`.
+NARROW = (1, 2, 3)
+KNOTS = (1024, 2048, 4096, 8192)  # the contexts they are timed after (those the engine holds)
+ROTATIONS = 16  # calls of each width at each knot, rotated back to back; their medians count
 
 
 @dataclass
@@ -78,6 +83,8 @@ class StepCosts:
     verify: dict[int, float] = field(default_factory=dict)  # by rows, after PREFIX tokens
     per_request: float = 0.0  # seconds a call spends per request per token of its context
     per_row: float = 0.0  # ...and per row per token of its context
+    # by knot (tokens of context): each NARROW width's call over the 1-token call, in seconds
+    narrow: dict[int, dict[int, float]] = field(default_factory=dict)
     drift: tuple[float, float] = (1.0, 1.0)  # factors on a call's (reads, arithmetic)
     rounds: int = 0  # verify calls timed since calibration
     context: float = PREFIX  # tokens of context behind the rows of the last call timed
@@ -156,13 +163,44 @@ class StepCosts:
         longer = max(self.context - PREFIX, 0.0)
         weights = _price(self.verify, 1)
         reads = weights + longer * self.per_request * requests
-        arithmetic = max(_price(self.verify, rows) - weights, 0.0) + longer * self.per_row * rows
+        attention = requests * self._attention(rows / requests)
+        arithmetic = max(max(_price(self.verify, rows) - weights, 0.0) + attention, 0.0)
         return reads, arithmetic
+
+    def _attention(self, width: float) -> float:
+        """Seconds a request's `width` rows spend on its context past PREFIX tokens, beyond the
+        reads: `per_row` a row and a token, or, for a NARROW width timed at the knots
+        (`narrow`), what makes its call there cost what it was timed to cost over the 1-token
+        call, interpolated between the knots (from nothing at PREFIX tokens) and carried on at
+        `per_row` past the last. A wider call adds `per_row` for each row past the widest
+        narrow one: the wide counts decide short prompts' rounds, and are rarely chosen
+        after long ones."""
+        longer = max(self.context - PREFIX, 0.0)
+        timed = [w for w in NARROW if w <= width and all(w in t for t in self.narrow.values())]
+        if not self.narrow or not timed:
+            return longer * self.per_row * width
+        widest = timed[-1]
+        extra = max(_price(self.verify, widest) - _price(self.verify, 1), 0.0)
+        points = [(PREFIX, 0.0)] + [
+            (knot, self.per_row * (knot - PREFIX) + gaps[widest] - extra)
+            for knot, gaps in sorted(self.narrow.items())
+        ]
+        return _along(points, self.context, self.per_row * widest) + (
+            longer * self.per_row * (width - widest)
+        )
 
     @property
     def draft_step(self) -> float | None:
         """One draft step of one row, as reported beside the verify curve."""
         return _price(self.draft, 1) if self.draft else None
+
+
+def _along(points: list[tuple[float, float]], x: float, slope: float) -> float:
+    """The line through `points` (sorted by x) at x, and `slope` past the last of them."""
+    last_x, last_y = points[-1]
+    if x >= last_x:
+        return last_y + slope * (x - last_x)
+    return float(np.interp(x, *zip(*points, strict=True)))
 
 
 def _price(curve: dict[int, float], rows: float) -> float:
@@ -250,6 +288,42 @@ def fit_context(gaps: dict[tuple[int, int], float], tokens: int) -> tuple[float,
     return float(fit[0]), float(fit[1])
 
 
+def measure_narrow(
+    engine: Engine, widths: list[int], knots: list[int], rotations: int = ROTATIONS
+) -> dict[int, dict[int, float]]:
+    """Seconds each width's call of one request takes over the 1-token call after each knot's
+    context (`StepCosts.narrow`), never below a narrower width's. Why timed there and not
+    modelled: whether a lone request drafts after a long prompt turns on that ratio, and on a
+    2-core EPYC after 4,040 tokens the model (the curve after 48 tokens, the fastest of two
+    passes, plus a context term linear in the rows) priced the 2-token call 1.04-1.22x the
+    1-token call over 18 loads where each load's calls took 1.10-1.17x (RMS error 0.054);
+    4,048 more tokens added 0.2-5.8 ms to the 2nd token where the line said 3-4 ms. Timed at
+    4,096 tokens, the error there was 0.032 over 13 loads, and 0.075 at 8,040 tokens,
+    extrapolated: hence knots up to the contexts requests bring."""
+    if not knots:
+        return {}
+    fill_slots(engine, 1, max(knots))
+    narrow = {}
+    for knot in sorted(knots, reverse=True):  # each call rolls the slot back
+        medians = time_rotated(engine, knot, widths, rotations)
+        gaps = np.maximum.accumulate([max(medians[w] - medians[1], 0.0) for w in widths])
+        narrow[knot] = {w: float(g) for w, g in zip(widths, gaps, strict=True)}
+    engine.release(0)
+    return narrow
+
+
+def time_rotated(engine: Engine, context: int, widths: list[int], rotations: int) -> dict:
+    """Each width's median call of one request after `context` tokens (slot 0, filled by
+    `fill_slots`): the widths timed back to back, `rotations` times, each first in turn, so a
+    spell of the shared machine falls on a rotation's calls alike."""
+    times: dict[int, list[float]] = {w: [] for w in widths}
+    for i in range(rotations):
+        k = i % len(widths)
+        for width in widths[k:] + widths[:k]:
+            times[width].append(time_call(engine, context, 1, width))
+    return {w: float(np.median(t)) for w, t in times.items()}
+
+
 def _time_shapes(engine: Engine, shapes, contexts: list[int], repeats: int) -> dict:
     """The fastest of `repeats` passes at each (batch, width) shape, after each of `contexts`
     tokens (descending: a pass fills the rows once and rolls them back), keyed by (context,
@@ -306,11 +380,14 @@ def measure_costs(
     repeats: int = 2,
     slots: int = 1,
     k_lookup: int = 0,
+    longest: int | None = None,
+    knots: tuple[int, ...] = KNOTS,
 ) -> StepCosts:
     """Measure the verify curve (K = 0..k_max at batch 1, then a few longer windows up to
-    k_lookup; a few widths at each larger batch size up to `slots`), its context term, and the
-    draft step by batch size (a bundle without a draft model speculates by lookup only: no
-    step to measure)."""
+    k_lookup; a few widths at each larger batch size up to `slots`), its context term, the
+    narrow calls at each knot up to `longest` tokens of context (the engine's capacity when
+    not given), and the draft step by batch size (a bundle without a draft model speculates
+    by lookup only: no step to measure)."""
     batches = batch_sizes(slots)
     longer = {w for w in (16, 24, 32, 48) if w < k_lookup} | {k_lookup + 1}
     widths = sorted(set(range(1, k_max + 2)) | {w for w in longer if w > k_max + 1})
@@ -320,6 +397,9 @@ def measure_costs(
         _keep_cheaper(verify, measure_call_costs(target, widths, batches[1:], repeats))
     per_request, per_row = measure_context(target, widths, repeats)
     costs = StepCosts(verify=verify, per_request=per_request, per_row=per_row)
+    narrow = [w for w in NARROW if w <= k_max + 1]
+    reach = min(longest or target.capacity, target.capacity - max(narrow))
+    costs.narrow = measure_narrow(target, narrow, [k for k in knots if k <= reach])
     if draft is not None:
         costs.draft = measure_call_costs(draft, [1], batches, repeats)
         _keep_cheaper(costs.draft, measure_call_costs(draft, CATCH_UP_WIDTHS, [1], repeats))

@@ -104,8 +104,10 @@ def run_comparison(
 ) -> None:
     from specrt.runtime import SpeculativeRuntime
 
-    runtime = SpeculativeRuntime.load(bundle, prompt_cache=False)  # each run pays its prefill
+    # each run pays its prefill
+    runtime = SpeculativeRuntime.load(bundle, prompt_cache=False, calibrate=False)
     request = [{"role": "user", "content": prompt}] if chat else prompt
+    runtime.calibrate(longest=len(runtime.encode(request)) + max_new_tokens)
     log(f"prompt: {prompt!r}")
     runtime.generate(request, max_new_tokens=4)  # warm-up: first runs allocate
     alone = runtime.generate(request, max_new_tokens=max_new_tokens, speculate=False)

@@ -6,7 +6,7 @@ runtime and every round reads and refines it. A verify call of B requests with K
 carries B·(K+1) rows (padding included), a draft step one row per drafting request. Its price:
 
     reads      = curve(1) + context x per_request x B      (the weights, each request's cache)
-    arithmetic = curve(rows) - curve(1) + context x per_row x rows
+    arithmetic = curve(rows) - curve(1) + B x attention(context, rows / B)
     price      = drift[0] x reads + drift[1] x arithmetic
 
 - `curve` is measured at load, by rows, after a PREFIX-token context (`measure_costs`):
@@ -20,6 +20,10 @@ carries B·(K+1) rows (padding included), a draft step one row per drafting requ
   1.5B target), 8,000 tokens of context added ~43 ms a request to a call of one token a
   request and ~4.5 ms more a row: a 4-row call after 4,000 tokens took 1.3x the 1-row one where
   calibration at 48 tokens said 1.55x, and that ratio is what decides whether drafting pays.
+  `attention` is `per_row` a row and a token, except for the narrow calls (1-3 tokens a
+  request), which are timed at knots of context up to 8,192 tokens (`measure_narrow`) and
+  priced as timed there: after a long prompt a lone request chooses between them, and the
+  line through the rows priced them 0.05 wrong (RMS) on the ratio that decides it.
 - `drift` is how far the machine's reads and arithmetic moved since calibration: each call
   timed moves them a SMOOTHING share of the way to its time (never more than SPIKE times the
   price), by the least change that explains it, so a narrow call moves mostly the reads and a

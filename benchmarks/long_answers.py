@@ -52,6 +52,7 @@ def speculation_row(
     row.update(window=DRAFT_WINDOW, clients=clients, interleaved=True, shared_engines=True)
     options = {name: _options(name, rt) for name, rt in runtimes.items()}
     calibrated = {name: copy.deepcopy(rt.costs) for name, rt in runtimes.items()}
+    row["priced"] = _priced(calibrated[order[0]], len(encoded), clients)
     waited = {}
     for name, rt in runtimes.items():
         if name != "target":
@@ -66,6 +67,15 @@ def speculation_row(
     row |= {name: _mean(done) for name, done in turns.items()}
     row["target"]["ttft_s"] = waited["target"]
     return row
+
+
+def _priced(calibrated, context: int, clients: int) -> dict[int, float]:
+    """What calibration priced the call of K = 1 and 2 drafts a request at, over the call
+    without drafts, after this prompt: the turns' outcome followed it after 4,000 tokens."""
+    costs = copy.deepcopy(calibrated)
+    costs.context = context
+    one = costs.verify_cost(clients, clients)
+    return {k: costs.verify_cost(clients * (k + 1), clients) / one for k in (1, 2)}
 
 
 def _runtimes(bundle: str, order: list[str], clients: int) -> dict:

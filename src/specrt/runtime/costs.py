@@ -302,9 +302,11 @@ def measure_narrow(
     passes, plus a context term linear in the rows) priced the 2-token call 1.04-1.22x the
     1-token call over 18 loads where each load's calls took 1.10-1.17x (RMS error 0.054);
     4,048 more tokens added 0.2-5.8 ms to the 2nd token where the line said 3-4 ms. Timed at
-    4,096 tokens, the error there was 0.032 over 13 loads, and 0.075 at 8,040 tokens,
-    extrapolated: hence knots up to the contexts requests bring."""
-    if not knots:
+    4,096 tokens alone, the error there was 0.032 over 13 loads but 0.075 at 8,040 tokens,
+    extrapolated: hence knots up to the contexts requests bring. At these four, eight loads
+    erred 0.040 over five contexts where the model alone erred 0.055
+    (benchmarks/calibration_error.py). Nothing to time where no width but one is asked."""
+    if not knots or len(widths) < 2:
         return {}
     fill_slots(engine, 1, max(knots))
     narrow = {}

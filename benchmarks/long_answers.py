@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from long_context import ANSWER, CLIENT_OFFSET, RUNS, SOURCE, TASKS, source_text, task_prompt
@@ -47,12 +48,12 @@ def speculation_row(
         )
     cuts = [ids[i * CLIENT_OFFSET : i * CLIENT_OFFSET + size] for i in range(clients)]
     prompts = [task_prompt(task, first.tokenizer.decode(cut)) for cut in cuts]
-    encoded = first.encode(prompts[0])
-    row = {"size": size, "prompt_ids": encoded, "prompt_tokens": len(encoded)}
+    encoded = [first.encode(p) for p in prompts]
+    row = {"size": size, "prompt_ids": encoded, "prompt_tokens": len(encoded[0])}
     row.update(window=DRAFT_WINDOW, clients=clients, interleaved=True, shared_engines=True)
     options = {name: _options(name, rt) for name, rt in runtimes.items()}
     calibrated = {name: copy.deepcopy(rt.costs) for name, rt in runtimes.items()}
-    row["priced"] = _priced(calibrated[order[0]], len(encoded), clients)
+    row["priced"] = _priced(calibrated[order[0]], len(encoded[0]), clients)
     waited = {}
     for name, rt in runtimes.items():
         if name != "target":
@@ -220,36 +221,64 @@ def _mean(turns: list[dict]) -> dict:
     }
 
 
-def llama_rows(bundle: Path, folder: Path | None, rows: list[dict]) -> dict | None:
-    """llama-server on the same prompts' token ids, alone and with the draft GGUF (None where
-    no build or no GGUF is here)."""
+def llama_rows(bundle: Path, folder: Path | None, rows: list[dict], answer: int) -> dict | None:
+    """llama-server on the same prompts' token ids, alone and with the draft GGUF, a slot for
+    each request at once (None where no build or no GGUF is here)."""
     b = Bundle.load(bundle)
     binary, files = llamacpp.find_server(folder), llamacpp.gguf_sources(b)
     if binary is None or "target" not in files:
         print(llamacpp.MISSING if binary is None else "llama rows skipped: no target GGUF")
         return None
     threads, context = machine.describe()["cores"], b.max_context
-    specs = {"alone": llamacpp.ServerSpec(binary, files["target"], None, 0, threads, context)}
+    slots = len(rows[0]["prompt_ids"])
+    specs = {
+        "alone": llamacpp.ServerSpec(binary, files["target"], None, 0, threads, context, slots)
+    }
     if "draft" in files:
         specs["draft"] = llamacpp.ServerSpec(
-            binary, files["target"], files["draft"], b.max_draft, threads, context
+            binary, files["target"], files["draft"], b.max_draft, threads, context, slots
         )
-    out: dict = {"commands": {}}
+    out: dict = {"commands": {}, "slots": slots}
     for name, spec in specs.items():
         out["commands"][name] = " ".join(spec.command(0))
         with llamacpp.serving(spec) as base:
-            llamacpp.complete(base, rows[0]["prompt_ids"][:8], 4)  # warm-up
+            llamacpp.complete(base, rows[0]["prompt_ids"][0][:8], 4)  # warm-up
             for row in rows:
-                tokens, times = llamacpp.complete(
-                    base, row["prompt_ids"], len(row["target"]["tokens"])
-                )
-                row[f"llama_{name}"] = {
-                    "ttft_s": round(times[0], 2),
-                    "decode_tokens_per_s": round((len(times) - 1) / (times[-1] - times[0]), 2),
-                    "tokens": tokens,
-                }
-                print(f"llama-server {name}, {row['size']} tokens: {row[f'llama_{name}']}")
+                row[f"llama_{name}"] = _llama_batch(base, row["prompt_ids"], answer)
+                shown = {k: v for k, v in row[f"llama_{name}"].items() if k != "tokens"}
+                print(f"llama-server {name}, {row['size']} tokens: {shown}", flush=True)
     return out
+
+
+def _llama_batch(base: str, prompts: list[list[int]], answer: int) -> dict:
+    """The prompts sent at once, a thread each. The batch's first token is its last request's
+    first (every prompt read, as the target alone's row times it); its decode speed counts
+    the tokens after each request's first that came while every request was decoding, over
+    that span: llama-server reads a late prompt while the others decode, which slows them,
+    where specrt's runs paid their prefill before. One request: its tokens after the first
+    over their seconds."""
+    start = time.perf_counter()
+
+    def send(ids: list[int]) -> tuple[list[int], list[float]]:
+        sent = time.perf_counter() - start
+        tokens, times = llamacpp.complete(base, ids, answer)
+        return tokens, [sent + t for t in times]
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        done = list(pool.map(send, prompts))
+    first, last = max(t[0] for _, t in done), min(t[-1] for _, t in done)
+    if last <= first:
+        raise SystemExit(
+            f"llama-server ended a request at {last:.1f} s, before the last "
+            f"request's first token at {first:.1f} s: no span when all decode"
+        )
+    decoded = sum(first <= t <= last for _, times in done for t in times[1:])
+    tokens = [t for t, _ in done]
+    return {
+        "ttft_s": round(first, 2),
+        "decode_tokens_per_s": round(decoded / (last - first), 2),
+        "tokens": tokens[0] if len(tokens) == 1 else tokens,
+    }
 
 
 def markdown(result: dict) -> str:
@@ -356,13 +385,23 @@ def _run_cell(run: dict | None) -> str:
     return f"{run['decode_tokens_per_s']:.2f}{each}, K {run['mean_k']:.1f}, {kept}"
 
 
+def _slots(result: dict) -> str:
+    slots = result["llama_server"].get("slots", 1)
+    if slots == 1:
+        return "one slot"
+    return (
+        f"{slots} slots, the {slots} prompts sent at once; its first token the batch's last "
+        "request's, its decode speed over the span when all were decoding"
+    )
+
+
 def _llama_markdown(result: dict) -> list[str]:
     """specrt beside llama-server: speeds as ratios (above 1: specrt is faster)."""
     commands = result["llama_server"]["commands"]
     lines = [
-        "Beside llama-server on the same GGUF files and token ids (one slot, `cache_prompt` "
-        "off): the first token (specrt's target alone) and decode speed (specrt adaptive), "
-        "each as specrt's speed over llama-server's. "
+        f"Beside llama-server on the same GGUF files and token ids ({_slots(result)}, "
+        "`cache_prompt` off): the first token (specrt's target alone) and decode speed "
+        "(specrt adaptive), each as specrt's speed over llama-server's. "
         + "; ".join(f"{name}: `{command}`" for name, command in commands.items()),
         "",
         "| prompt tokens | first token: specrt / llama-server | speed | decode tok/s: specrt "
@@ -412,7 +451,7 @@ def compare(
             f"{rows[-1].get('adaptive', {}).get('decode_tokens_per_s')} tok/s",
             flush=True,
         )
-    llama = llama_rows(bundle, llama_cpp, rows) if clients == 1 else None
+    llama = llama_rows(bundle, llama_cpp, rows, answer)
     for row in rows:
         del row["prompt_ids"]  # thousands of ids a row: the sizes name the prompts
     command = "python benchmarks/long_context.py BUNDLE --speculation "

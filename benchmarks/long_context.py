@@ -35,8 +35,9 @@ adaptive` sets the runs side by side (any of target, whole, unscouted, adaptive,
 and the best fixed K). `--repeat N` runs N such turns and gives each run's mean and every
 turn's speed. `--clients N` gives each run N requests at once, each after its own cut of the
 source. With `--llama-cpp DIR` (a folder with llama-server, or $SPECRT_LLAMA_CPP, or PATH),
-llama-server gets the same prompt's token ids on the bundle's GGUF files, alone and with the
-draft GGUF, one slot, as many threads, `cache_prompt` off. `specrt verdict RESULT.json [more]`
+llama-server gets the same prompts' token ids on the bundle's GGUF files, alone and with the
+draft GGUF, a slot per client (`--clients` prompts sent at once), as many threads as cores,
+`cache_prompt` off. `specrt verdict RESULT.json [more]`
 judges adaptive's goal in each cell on its turns' spread (the runs table's verdict column).
 """
 

@@ -107,6 +107,22 @@ def test_cells_are_read_from_both_benchmarks_and_pooled_across_files():
     assert f"{LONG.stem}, AMD EPYC" in apart and apart.count("short prompts") == 4
 
 
+def test_cells_each_within_noise_are_told_on_all_their_turns_together():
+    """Two cells of three turns at 0.99x their best, each within noise at this spread: all
+    six turns hold. Control: one cell alone gets no such row, and a cell whose best is the
+    target alone is paired with it, not with fixed K = 1."""
+    ratios = _spread(0.99, 0.015, 3)
+    first = _turns(ratios)
+    second = [{**t, "target": t["fixed:1"] * 1.1} for t in _turns(ratios, base=20.0)]
+    second = [{**t, "adaptive": t["target"] * r} for t, r in zip(second, ratios, strict=True)]
+    cells = {"first": first, "second": second}
+    assert all(verdict.judge(k, t).state == verdict.OPEN for k, t in cells.items())
+    whole = verdict.together(cells)
+    assert whole.cell == "all 2 cells together" and whole.turns == 6
+    assert whole.state == verdict.HOLDS and abs(whole.point - 0.99) < 1e-9
+    assert verdict.together({"first": first}) is None
+
+
 def test_the_command_judges_files_and_names_one_it_cannot_read(tmp_path):
     done = CliRunner().invoke(cli, ["verdict", str(LONG)])
     assert done.exit_code == 0, done.output

@@ -63,7 +63,8 @@ def verdict_command(results, apart: bool):
     """Whether adaptive holds 0.97x the best other configuration in each cell of these result
     files (`specrt bench --concurrency`, benchmarks/long_context.py --speculation --runs),
     judged on the turns' spread: holds, misses, or within noise, and how many turns would
-    tell. A cell's ratio alone moves more than 3 % between runs of the same code here."""
+    tell; then all the cells' turns together. A cell's ratio alone moves more than 3 % between
+    runs of the same code here."""
     from specrt.tools import verdict
 
     click.echo(verdict.report(list(results), pool=not apart), nl=False)

@@ -202,7 +202,8 @@ def brief(turns: list[dict[str, float]]) -> str:
 
 def report(paths: list[Path], pool: bool = True) -> str:
     """The verdict of every cell with an adaptive run in these result files, as Markdown: a
-    cell found in several files judged on all their turns (`pool`), or each file apart."""
+    cell found in several files judged on all their turns (`pool`), or each file apart; and
+    with two cells or more, a last row for all their turns together (`together`)."""
     groups: dict[str, list[dict[str, float]]] = {}
     for path in paths:
         try:
@@ -218,7 +219,31 @@ def report(paths: list[Path], pool: bool = True) -> str:
             "no cell with an adaptive run in these files: pass the JSON of "
             "`long_context.py --speculation --runs ...,adaptive` or `specrt bench --concurrency`"
         )
-    return markdown(judged)
+    whole = together(groups)
+    return markdown(judged + ([whole] if whole else []))
+
+
+def together(groups: dict[str, list[dict[str, float]]]) -> Verdict | None:
+    """Every cell's turns as one sample, each turn's adaptive against its cell's best other
+    configuration by mean (the tables' denominator); None under two cells. A grid whose cells
+    are each within noise on five turns can be told on all of them: how adaptive does across
+    these prompts and loads, not in any one of them (a cell that misses is not saved by it)."""
+    mine, theirs, cells_ = [], [], 0
+    for turns in groups.values():
+        names = {n for turn in turns for n in turn if n != "adaptive"}
+        paired = [t for t in turns if "adaptive" in t]
+        if not names or not paired:
+            continue
+        best = max(names, key=lambda n: np.mean([t[n] for t in turns if n in t]))
+        pairs = [(t["adaptive"], t[best]) for t in paired if best in t]
+        mine += [a for a, _ in pairs]
+        theirs += [o for _, o in pairs]
+        cells_ += 1
+    if cells_ < 2:
+        return None
+    a = against("each cell's best", mine, theirs, 1)
+    state = HOLDS if a.holds else MISSES if a.missed else OPEN
+    return Verdict(f"all {cells_} cells together", len(mine), a.ratio, state, (a,))
 
 
 def markdown(verdicts: list[Verdict]) -> str:

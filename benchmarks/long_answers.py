@@ -229,15 +229,11 @@ def llama_rows(bundle: Path, folder: Path | None, rows: list[dict], answer: int)
     if binary is None or "target" not in files:
         print(llamacpp.MISSING if binary is None else "llama rows skipped: no target GGUF")
         return None
-    threads, context = machine.describe()["cores"], b.max_context
-    slots = len(rows[0]["prompt_ids"])
-    specs = {
-        "alone": llamacpp.ServerSpec(binary, files["target"], None, 0, threads, context, slots)
-    }
-    if "draft" in files:
-        specs["draft"] = llamacpp.ServerSpec(
-            binary, files["target"], files["draft"], b.max_draft, threads, context, slots
-        )
+    threads, slots = machine.describe()["cores"], len(rows[0]["prompt_ids"])
+    built = llamacpp.server_specs(b, binary, threads=threads, slots=slots)
+    specs = {"alone": built["llamacpp_target_only"]}
+    if (drafted := built.get(f"llamacpp_draft_{b.max_draft}")) is not None:
+        specs["draft"] = drafted
     out: dict = {"commands": {}, "slots": slots}
     for name, spec in specs.items():
         out["commands"][name] = " ".join(spec.command(0))

@@ -139,15 +139,24 @@ def judge(cell: str, turns: list[dict[str, float]]) -> Verdict:
     results = tuple(
         against(n, [a for a, _ in p], [o for _, o in p], len(pairs)) for n, p in pairs.items()
     )
-    mean = {n: np.mean([t[n] for t in turns if n in t]) for n in [*names, "adaptive"]}
-    point = float(mean["adaptive"] / max(mean[n] for n in names))
+    point = float(_mean(turns, "adaptive") / _mean(turns, _best(turns, names)))
+    return Verdict(cell, len(mine), point, _state(results), results)
+
+
+def _mean(turns: list[dict[str, float]], name: str) -> float:
+    return float(np.mean([t[name] for t in turns if name in t]))
+
+
+def _best(turns: list[dict[str, float]], names) -> str:
+    """The other configuration with the best mean speed over a cell's turns."""
+    return max(names, key=lambda n: _mean(turns, n))
+
+
+def _state(results: tuple[Against, ...]) -> str:
+    """MISSES against any comparison, HOLDS against every one, else OPEN."""
     if any(a.missed for a in results):
-        state = MISSES
-    elif results and all(a.holds for a in results):
-        state = HOLDS
-    else:
-        state = OPEN
-    return Verdict(cell, len(mine), point, state, results)
+        return MISSES
+    return HOLDS if results and all(a.holds for a in results) else OPEN
 
 
 def cells(result: dict) -> dict[str, list[dict[str, float]]]:
@@ -234,7 +243,7 @@ def together(groups: dict[str, list[dict[str, float]]]) -> Verdict | None:
         paired = [t for t in turns if "adaptive" in t]
         if not names or not paired:
             continue
-        best = max(names, key=lambda n: np.mean([t[n] for t in turns if n in t]))
+        best = _best(turns, names)
         pairs = [(t["adaptive"], t[best]) for t in paired if best in t]
         mine += [a for a, _ in pairs]
         theirs += [o for _, o in pairs]
@@ -242,8 +251,7 @@ def together(groups: dict[str, list[dict[str, float]]]) -> Verdict | None:
     if cells_ < 2:
         return None
     a = against("each cell's best", mine, theirs, 1)
-    state = HOLDS if a.holds else MISSES if a.missed else OPEN
-    return Verdict(f"all {cells_} cells together", len(mine), a.ratio, state, (a,))
+    return Verdict(f"all {cells_} cells together", len(mine), a.ratio, _state((a,)), (a,))
 
 
 def markdown(verdicts: list[Verdict]) -> str:

@@ -39,7 +39,7 @@ DRAFT_WINDOW = 512
 SCOUT, SCOUT_FROM, SCOUT_KEPT, WIDEN_LEFT = 32, 256, 8, 1.0
 RESUME = 8  # ...and, fallen further behind, what it read and the sequence's last RESUME
 LOOK_BACK = 32  # the most tokens a look-back reads (`ModelDrafter.look_back`), and a resume alone
-RESUME_GAIN = 1.1  # ...where reading them keeps this many tokens more than RESUME (`resume_length`)
+RESUME_READ = 0.75  # ...where reading them costs at most this share of a call (`resume_length`)
 
 
 @dataclass(frozen=True)
@@ -355,24 +355,29 @@ class ConstrainedDrafter:
 def resume_length(costs: StepCosts, batch: int) -> int:
     """How many of the sequence's last tokens a long prompt's draft model that fell behind reads
     on from (`ModelDrafter.resume`) in a batch of `batch`. Alone, where a probe's draft decides
-    whether a request drafts again: LOOK_BACK where reading them, not RESUME, costs less than
-    its better guesses save (RESUME_GAIN tokens, each a call without drafts), else RESUME.
-    Measured offline after 1,000 tokens (4 summaries, 4 questions, a stop at the answer's 10th
-    token and a resume at its 20th to 80th), its next 16 guesses were kept 0.48 of the time
-    reading on from the last 8, 0.55 from the last 32: ~1.1 tokens more. The reads' cost is the
-    machine's: on an AMX Xeon the default draft reads ~2.5 ms a token, and after 1,000 tokens
-    of a summary, where probes back from a stop were rejected, the last 32 ran 0.976x the
-    better of the target alone and fixed K = 1 over five runs where the last 8 ran 0.954x; on
-    an AVX2 EPYC it reads ~8 ms a token, where a 16-token scout priced a probe out of reach for
-    ~40 rounds (0.94x) and 8 was chosen. In a batch, RESUME: there a request learns by looking
-    back, which reads its last LOOK_BACK however it resumes, and a start is priced with every
-    request's catch-up: resuming from the last 32, 4 clients after 4,000 tokens of a summary
-    ran 0.97x fixed K = 1 where the last 8 ran 0.99x within the hour (one run each: no gain
-    seen, its cold turn drafting from round 63 where the other's did from 37)."""
+    whether a request drafts again: LOOK_BACK where reading them, not RESUME, costs at most
+    RESUME_READ of a call without drafts, else RESUME. Their gain: measured offline after
+    1,000 tokens (4 summaries, 4 questions, a stop at the answer's 10th token and a resume at
+    its 20th to 80th), the draft's next 16 guesses were kept 0.48 of the time reading on from
+    the last 8, 0.55 from the last 32: ~1.1 tokens more. Their cost is twofold: the reads,
+    and the wait they add to every probe back from a stop, whose price they are part of and
+    which waits until PROBE_SHARE of its rounds covers it (joint.py's `_shares`): at 3 %, each
+    read costing 3 % of a call delays the probe a round. Two machines measured alone after
+    1,000 tokens of a summary, the better of the target alone and fixed K = 1, fifteen turns
+    each: on an AMX Xeon, whose 24 more reads cost ~0.5-0.6 of a call (~60 ms against
+    105-115), the last 32 ran 0.976x where the last 8 ran 0.954x; on a 2-core AVX-512 EPYC,
+    whose reads cost ~0.9-1.0 of a call (~74 ms against 70-80), the last 8 ran 0.949x where
+    the last 32 ran 0.933x, in the same hour (the probe back came ~12 rounds after the stop
+    where it came ~40). The bound sits between them. In a batch, RESUME: there a request
+    learns by looking back, which reads its last LOOK_BACK however it resumes, and a start is
+    priced with every request's catch-up: resuming from the last 32, 4 clients after 4,000
+    tokens of a summary ran 0.97x fixed K = 1 where the last 8 ran 0.99x within the hour (one
+    run each: no gain seen, its cold turn drafting from round 63 where the other's did from
+    37)."""
     if batch > 1:
         return RESUME
     extra = costs.catch_up_cost(LOOK_BACK) - costs.catch_up_cost(RESUME)
-    return LOOK_BACK if extra <= RESUME_GAIN * costs.verify_cost(1) else RESUME
+    return LOOK_BACK if extra <= RESUME_READ * costs.verify_cost(1) else RESUME
 
 
 def prompt_skips(prompt: int, window: int | None, scout: bool = True) -> tuple[int, int]:

@@ -231,9 +231,7 @@ def llama_rows(bundle: Path, folder: Path | None, rows: list[dict], answer: int)
         return None
     threads, slots = machine.describe()["cores"], len(rows[0]["prompt_ids"])
     built = llamacpp.server_specs(b, binary, threads=threads, slots=slots)
-    specs = {"alone": built["llamacpp_target_only"]}
-    if (drafted := built.get(f"llamacpp_draft_{b.max_draft}")) is not None:
-        specs["draft"] = drafted
+    specs = {"draft" if spec.draft else "alone": spec for spec in built.values()}
     out: dict = {"commands": {}, "slots": slots}
     for name, spec in specs.items():
         out["commands"][name] = " ".join(spec.command(0))

@@ -13,6 +13,7 @@ from specrt.runtime.joint import (
     K_MARGIN,
     PROBE_AFTER,
     PROBE_AFTER_ALONE,
+    PROBE_BANK,
     SWITCH_GAIN,
     WARM_UP_K,
     decide_round,
@@ -240,11 +241,32 @@ def test_a_probe_is_priced_net_of_the_draft_it_expects_to_keep():
     decisions = []
     for alpha in (0.3, 0.01):
         policy = _stopped(gguf_costs(), alpha)
-        policy.idle = 29
+        policy.idle = policy.bank = 29  # all it took part in
         decisions.append(policy.decide(ctx))
     assert [d.k for d in decisions] == [1, 0] and "probing" in decisions[0].reason
-    policy.idle = 40  # and probes once it has waited longer
+    policy.idle = policy.bank = 40  # and probes once it has waited longer
     assert policy.decide(ctx).k == 1
+
+
+def test_alone_a_probe_spends_a_share_of_every_round_its_request_took_part_in():
+    """Alone, a probe may cost PROBE_SHARE of every round its request took part in, less what
+    its probes cost, at most PROBE_BANK rounds banked (`joint._allowance`): not of each wait
+    alone, so rounds before a stop pay for the first probe after it. On the gguf curves a
+    probe 16 tokens behind at acceptance 0.3 costs 52 ms net, the share of ~29 rounds of 61
+    ms. After 200 rounds without drafts, the full bank pays for two probes, PROBE_AFTER_ALONE
+    rounds apart; the third waits for the rounds to refill it (the rejected probes lowered
+    its estimate, so each costs more than the last)."""
+    policy = _stopped(gguf_costs(), 0.3)
+    for _ in range(200):
+        policy.observe(0, 0)
+    assert policy.bank == PROBE_BANK
+    ctx = RoundContext(room=8, position=2000, remaining=256, lag=16)
+    probes = []
+    for n in range(80):
+        k = policy.decide(ctx).k
+        policy.observe(k, 0)
+        probes += [n] * k
+    assert probes[:2] == [0, PROBE_AFTER_ALONE + 1] and probes[2] - probes[1] >= 20
 
 
 def test_the_first_draft_step_is_priced_with_what_the_draft_has_not_read():
@@ -657,7 +679,7 @@ def test_a_draft_cache_far_behind_is_priced_and_not_probed():
     rate = [float(policy.decide(ctx).reason.split("-> ")[1].split()[0]) for ctx in (near, far)]
     assert rate[1] < rate[0]  # the catch-up is in the price
     idle = _stopped(costs, 0.01)
-    idle.idle = PROBE_AFTER
+    idle.idle = idle.bank = PROBE_AFTER
     # Alone, a request spreads its catch-up over its idle rounds...
     assert idle.decide(RoundContext(8, 300, 256, lag=PROBE_AFTER)).k == 1
     assert (

@@ -27,7 +27,7 @@ import numpy as np
 
 from specrt.errors import SpecrtError
 from specrt.runtime.costs import StepCosts
-from specrt.runtime.joint import decide_together
+from specrt.runtime.joint import PROBE_BANK, decide_together
 from specrt.runtime.policy import Decision, RoundContext
 from specrt.runtime.pool import DOUBT_AFTER, PooledAcceptance, fade_in, wilson
 from specrt.runtime.runs import PART_AFTER
@@ -103,6 +103,7 @@ class Adaptive:
     counts: dict[str, list[float]] = field(init=False, default_factory=dict)  # [acc., rej.]
     record: dict[str, list[float]] = field(init=False, default_factory=dict)  # its long run
     idle: int = field(init=False, default=0)  # rounds in a row without drafting
+    bank: float = field(init=False, default=0.0)  # rounds a probe may spend a share of
     last_k: int | None = field(init=False, default=None)  # drafts of its last round
     probing: bool = field(init=False, default=False)  # its last decision was a probe
     probed: bool = field(init=False, default=False)  # ...and its last round (observed)
@@ -298,6 +299,7 @@ class Adaptive:
         if source == "model" and self.pool is not None:
             self.pool.runs.drafted(self.member, self._run_keys(source), k, accepted)
         self.idle = 0 if k else self.idle + 1
+        self.bank = min(self.bank + 1, PROBE_BANK)
         self.last_k, self.probed = k, self.probing
         if self.probing:
             self.probing = False

@@ -228,9 +228,9 @@ def _probed(policies, contexts, caps, reasons, costs: StepCosts, others, chosen)
     rounds they waited (alone, every round it took part in: `_allowance`), stays under
     PROBE_SHARE of a round, and drafting could pay at all (`_could_pay`). Held to one
     round's price instead (within 10 % of it), a batch after 8,000 tokens whose wider call
-    cost 1.4x never probed: a summary whose opening the draft
-    guessed badly held 4 clients at K = 0 for 3 turns, ~380 rounds, 0.91x fixed K = 1 on an
-    AVX2 EPYC; alone, that rule never probed on a verify curve 12 % wider at 2 tokens.
+    cost 1.4x never probed: a summary whose opening the draft guessed badly held 4 clients
+    at K = 0 for 3 turns, ~380 rounds, 0.91x fixed K = 1 on an AVX2 EPYC; alone, that rule
+    never probed on a verify curve 12 % wider at 2 tokens.
     Counted by each request's own wait, 4 clients probed in 4 rounds in a row, each at the
     share the rounds allowed one. Not crediting the draft it keeps, a probe at acceptance
     0.4 was priced 45 ms dear in 200. A request that can look back (`Adaptive.can_look_back`)
@@ -262,7 +262,7 @@ def _probed(policies, contexts, caps, reasons, costs: StepCosts, others, chosen)
     else:
         policies[i].probing = True
         if batch == 1:
-            policies[i].bank -= shares[i] * policies[i].bank  # the rounds its price took
+            policies[i].bank -= shares[i] * policies[i].bank  # rounds whose share it took
         why = f"{reasons[i]}; probing acceptance after {waited} rounds without drafts"
         decisions[i] = Decision(1, why)
     return decisions
@@ -314,12 +314,14 @@ def _allowance(policy, price: float, seconds: float, batch: int) -> float:
     probes were priced at (`Adaptive.bank`, at most PROBE_BANK rounds): the bound holds over
     its answer, not over each wait, so its rounds of drafts before a stop pay for its first
     probe. Counted by the wait, a summary alone after 1,000 tokens (the draft kept 1 guess
-    of its first 14, ~0.7 after them) stopped at round 7-11 and drafted again 13-28 rounds
-    later, each token the probe then read costing ~4 % of a call more than the wait had
-    saved (0.945-0.961x fixed K = 1 on a 2-core AVX-512 EPYC). Replayed on that machine's
-    curves, that answer went from 0.958x the best fixed K to 1.01x, and 40 answers after long
-    prompts from 0.987x to 0.989x; a request whose drafts are all rejected ran 0.945x the
-    target alone over 128 tokens (0.950x counted by the wait), 0.958x over 300 (0.960x)."""
+    of its first 14, ~0.7 after them) stopped at round 6-11 and drafted again 13-28 rounds
+    later: each round waited added a token to the probe's read back, ~4 % of a call, more
+    than the 3 % it allowed (0.952x fixed K = 1 over ten turns on a 2-core AVX-512 EPYC;
+    now 0.966x over twenty, its probes 4-5 rounds after its stop). Replayed on that
+    machine's curves, that answer went from 0.958x the best fixed K to 1.01x, and 40
+    answers after long prompts from 0.987x to 0.989x; a request whose drafts are all
+    rejected ran 0.945x the target alone over 128 tokens (0.950x counted by the wait),
+    0.958x over 300 (0.960x)."""
     if batch > 1:
         return PROBE_SHARE * seconds
     return PROBE_SHARE * price * policy.bank

@@ -180,16 +180,24 @@ def test_alone_a_request_stopped_by_its_opening_probes_within_rounds(monkeypatch
         draft={1: 0.025, 16: 0.044, 33: 0.0625},
         verify={1: 0.09, 2: 0.099, 3: 0.108, 5: 0.117, 9: 0.162, 17: 0.27},
     )
-    trace = replay.Trace(1048, [c == "1" for c in SUMMARY], [1.0] * len(SUMMARY))
+    back, rate, best = _back_after_the_stop(SUMMARY, costs)
+    if alone == 4:
+        assert back <= 6 and rate >= 0.99 * best
+    else:
+        assert back >= 16 and rate < 0.98 * best
+
+
+def _back_after_the_stop(agreement: str, costs: FixedCosts) -> tuple[int, float, float]:
+    """Adaptive alone after 1,000 tokens on a recorded agreement ("1": the draft's guess is
+    the target's token): the rounds from its first stop to its first drafts after it, its
+    tokens per second, and the best fixed K's (0-2)."""
+    trace = replay.Trace(1048, [c == "1" for c in agreement], [1.0] * len(agreement))
     adaptive = replay.replay([trace], "adaptive", 1, costs)
     ks = adaptive.ks[0]
     stop = ks.index(0)
     back = next(i for i in range(stop, len(ks)) if ks[i]) - stop
     best = max(replay.replay([trace], f"fixed:{k}", 1, costs).tokens_per_s for k in range(3))
-    if alone == 4:
-        assert back <= 6 and adaptive.tokens_per_s >= 0.99 * best
-    else:
-        assert back >= 16 and adaptive.tokens_per_s < 0.98 * best
+    return back, adaptive.tokens_per_s, best
 
 
 # The same pair's agreement along a summary of the same file on a 2-core AVX-512 EPYC (recorded
@@ -213,21 +221,12 @@ def test_alone_the_rounds_before_a_stop_pay_for_its_first_probe(monkeypatch):
         draft={1: 0.0138, 2: 0.0166, 4: 0.0257, 8: 0.0403, 16: 0.0635, 32: 0.110},
         verify={1: 0.075, 2: 0.0833, 3: 0.0915, 4: 0.0998, 8: 0.135},
     )
-    trace = replay.Trace(1048, [c == "1" for c in SUMMARY_AVX512], [1.0] * len(SUMMARY_AVX512))
-    best = max(replay.replay([trace], f"fixed:{k}", 1, costs).tokens_per_s for k in range(3))
-
-    def run() -> tuple[int, float]:
-        adaptive = replay.replay([trace], "adaptive", 1, costs)
-        ks = adaptive.ks[0]
-        stop = ks.index(0)
-        return next(i for i in range(stop, len(ks)) if ks[i]) - stop, adaptive.tokens_per_s
-
-    back, rate = run()
+    back, rate, best = _back_after_the_stop(SUMMARY_AVX512, costs)
     assert back <= PROBE_AFTER_ALONE and rate >= 0.99 * best
     monkeypatch.setattr(
         joint, "_allowance", lambda policy, price, seconds, batch: joint.PROBE_SHARE * seconds
     )
-    back, rate = run()
+    back, rate, best = _back_after_the_stop(SUMMARY_AVX512, costs)
     assert back >= 12 and rate < 0.96 * best
 
 

@@ -13,11 +13,16 @@ the truth it is compared with, beside the same load's model alone. A spell of th
 on a rotation's three calls alike. Contexts off the knots (3,000, 6,000) judge the
 interpolation between them.
 
+With `--clients N`, each load is a runtime of N slots (a server's `--max-batch`), calibrated as
+such a server is, and each call timed carries N requests of 1, 2 or 3 tokens each, after the
+context in every slot: what a batch after long prompts chooses between. Calibration times the
+narrow calls for one request only, and prices a batch's from them and its model.
+
 The slot holds placeholder keys and values (costs.py's `fill_slots`): a call's time depends on
 how many positions it reads, not on what they hold.
 
     python benchmarks/calibration_error.py BUNDLE [--loads 6] \
-        [--contexts 1040,3000,4040,6000,8040] [--rotations 16] \
+        [--contexts 1040,3000,4040,6000,8040] [--rotations 16] [--clients 1] \
         [--out benchmarks/results/cpu-calibration-error]
 """
 
@@ -37,27 +42,31 @@ from specrt.runtime.costs import fill_slots, time_rotated
 WIDTHS = (1, 2, 3)  # K = 0, 1, 2: what a request after a long prompt chooses between
 
 
-def timed_ratios(engine, context: int, rotations: int) -> dict[int, float]:
-    """Each width's median call over the 1-token call's, after `context` tokens."""
-    medians = time_rotated(engine, context, list(WIDTHS), rotations)
+def timed_ratios(engine, context: int, rotations: int, clients: int) -> dict[int, float]:
+    """Each width's median call over the 1-token call's, after `context` tokens, for
+    `clients` requests at once."""
+    medians = time_rotated(engine, context, list(WIDTHS), rotations, clients)
     return {w: medians[w] / medians[1] for w in WIDTHS[1:]}
 
 
-def one_load(bundle: Path, contexts: list[int], rotations: int) -> dict:
+def one_load(bundle: Path, contexts: list[int], rotations: int, clients: int = 1) -> dict:
     """A fresh runtime's calibrated ratios at each context, the same costs' ratios without
     the narrow calls timed at the knots (the model alone: the comparison in one load), and
-    the timed ones."""
-    rt = SpeculativeRuntime.load(bundle, slots=1, calibrate=False, prompt_cache=False)
+    the timed ones; for `clients` requests a call, each after the context (a runtime of that
+    many slots, calibrated as a server's is)."""
+    rt = SpeculativeRuntime.load(bundle, slots=clients, calibrate=False, prompt_cache=False)
     costs = rt.calibrate()
     modelled = dataclasses.replace(costs, narrow={})
-    fill_slots(rt.target, 1, max(contexts))
+    fill_slots(rt.target, clients, max(contexts))
     load = {}
-    for context in sorted(contexts, reverse=True):  # each call rolls the slot back
-        load[context] = {"timed": timed_ratios(rt.target, context, rotations)}
+    for context in sorted(contexts, reverse=True):  # each call rolls the slots back
+        load[context] = {"timed": timed_ratios(rt.target, context, rotations, clients)}
         for name, priced in (("priced", costs), ("modelled", modelled)):
             priced.context = context
-            one = priced.verify_cost(1)
-            load[context][name] = {w: priced.verify_cost(w) / one for w in WIDTHS[1:]}
+            one = priced.verify_cost(clients, clients)
+            load[context][name] = {
+                w: priced.verify_cost(clients * w, clients) / one for w in WIDTHS[1:]
+            }
     return load
 
 
@@ -92,9 +101,9 @@ def markdown(result: dict) -> str:
     lines = [
         "# How far calibration prices the narrow calls wrong, load by load",
         "",
-        f"{machine.label(m)}; {m['date']}; {result['loads']} loads of one slot, each calibrated "
-        f"then its calls of 1-3 tokens rotated {result['rotations']} times at each context "
-        f"(medians). `{result['command']}`",
+        f"{machine.label(m)}; {m['date']}; {result['loads']} loads of {_slots(result)}, each "
+        f"calibrated then its calls of 1-3 tokens a request rotated {result['rotations']} times "
+        f"at each context (medians). `{result['command']}`",
         "",
         "| context | call of | calibration prices it | timed | error, root mean square | "
         "mean error | correlation | without the knots: RMS |",
@@ -119,24 +128,33 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _slots(result: dict) -> str:
+    clients = result.get("clients", 1)  # results before --clients timed one request
+    return "one slot" if clients == 1 else f"{clients} slots, {clients} requests a call"
+
+
 @click.command()
 @click.argument("bundle", type=click.Path(exists=True, path_type=Path))
 @click.option("--loads", default=6, show_default=True, help="Fresh runtimes, one after another.")
 @click.option("--contexts", default="1040,3000,4040,6000,8040", show_default=True)
 @click.option("--rotations", default=16, show_default=True, help="Calls of each width timed.")
+@click.option("--clients", default=1, show_default=True, help="Requests in each call timed.")
 @click.option("--out", type=click.Path(path_type=Path), help="Write OUT.json and OUT.md.")
-def main(bundle: Path, loads: int, contexts: str, rotations: int, out: Path | None) -> None:
+def main(
+    bundle: Path, loads: int, contexts: str, rotations: int, clients: int, out: Path | None
+) -> None:
     sizes = [int(n) for n in contexts.split(",")]
     measured = []
     for n in range(loads):
-        measured.append(one_load(bundle, sizes, rotations))
+        measured.append(one_load(bundle, sizes, rotations, clients))
         click.echo(f"load {n + 1}: {measured[-1]}", err=True)
     result = {
         "kind": "calibration_error",
         "command": f"python benchmarks/calibration_error.py {bundle.name} --loads {loads} "
-        f"--contexts {contexts} --rotations {rotations}",
+        f"--contexts {contexts} --rotations {rotations} --clients {clients}",
         "machine": machine.describe(),
         "loads": loads,
+        "clients": clients,
         "rotations": rotations,
         "summary": summary(measured, sizes),
         "measured": measured,  # json writes the contexts and widths as strings

@@ -76,6 +76,23 @@ def test_a_narrow_call_is_priced_as_it_was_timed_at_the_knots():
     assert timed.verify_cost(2) == pytest.approx(0.084)
 
 
+def test_a_batch_is_priced_by_the_line_where_one_request_is_priced_at_the_knots():
+    """The knots time one request's narrow calls. A batch's are priced by the line through the
+    rows: B times one request's gap carried B times its error, and a batch's rows take another
+    path through attention. The control: the same costs price a lone request's 2-token call at
+    the knots' gap (10 ms over its 1-token call), not the line's (1.5 ms + per_row)."""
+    curve = {1: 0.080, 2: 0.084, 3: 0.090, 4: 0.096, 8: 0.120, 12: 0.150}
+    narrow = {1024: {1: 0.0, 2: 0.006, 3: 0.020}, 4096: {1: 0.0, 2: 0.010, 3: 0.030}}
+    timed = StepCosts(verify=curve, per_request=5e-6, per_row=1e-6, narrow=narrow)
+    plain = StepCosts(verify=curve, per_request=5e-6, per_row=1e-6)
+    for costs in (timed, plain):
+        costs.context = 4096
+    for rows in (4, 6, 8, 12):  # 4 requests at 1, 1.5, 2 and 3 tokens each
+        assert timed.verify_cost(rows, 4) == pytest.approx(plain.verify_cost(rows, 4))
+    assert timed.verify_cost(8, 4) - timed.verify_cost(4, 4) == pytest.approx(0.024 + 4 * 4048e-6)
+    assert timed.verify_cost(2) - timed.verify_cost(1) == pytest.approx(0.010)
+
+
 def test_the_narrow_calls_are_timed_at_each_knot_up_to_the_longest_context(agree_bundle):
     """On a real engine: each width's gap over the 1-token call at each knot the longest
     context reaches, never below a narrower width's, and the slot empty again after."""

@@ -20,10 +20,12 @@ carries B·(K+1) rows (padding included), a draft step one row per drafting requ
   1.5B target), 8,000 tokens of context added ~43 ms a request to a call of one token a
   request and ~4.5 ms more a row: a 4-row call after 4,000 tokens took 1.3x the 1-row one where
   calibration at 48 tokens said 1.55x, and that ratio is what decides whether drafting pays.
-  `attention` is `per_row` a row and a token, except for the narrow calls (1-3 tokens a
-  request), which are timed at knots of context up to 8,192 tokens (`measure_narrow`) and
+  `attention` is `per_row` a row and a token, except for a lone request's narrow calls (1-3
+  tokens), which are timed at knots of context up to 8,192 tokens (`measure_narrow`) and
   priced as timed there: after a long prompt a lone request chooses between them, and the
-  line through the rows priced them 0.05 wrong (RMS) on the ratio that decides it.
+  line through the rows priced them 0.05 wrong (RMS) on the ratio that decides it. A batch's
+  are priced by the line: B requests' narrow gap is not B times one request's (see
+  `_attention`).
 - `drift` is how far the machine's reads and arithmetic moved since calibration: each call
   timed moves them a SMOOTHING share of the way to its time (never more than SPIKE times the
   price), by the least change that explains it, so a narrow call moves mostly the reads and a
@@ -167,21 +169,29 @@ class StepCosts:
         longer = max(self.context - PREFIX, 0.0)
         weights = _price(self.verify, 1)
         reads = weights + longer * self.per_request * requests
-        attention = requests * self._attention(rows / requests)
+        attention = requests * self._attention(rows / requests, requests == 1)
         arithmetic = max(max(_price(self.verify, rows) - weights, 0.0) + attention, 0.0)
         return reads, arithmetic
 
-    def _attention(self, width: float) -> float:
+    def _attention(self, width: float, lone: bool = True) -> float:
         """Seconds a request's `width` rows spend on its context past PREFIX tokens, beyond the
-        reads: `per_row` a row and a token, or, for a NARROW width timed at the knots
-        (`narrow`), what makes its call there cost what it was timed to cost over the 1-token
-        call, interpolated between the knots (from nothing at PREFIX tokens) and carried on at
-        `per_row` past the last. A wider call adds `per_row` for each row past the widest
-        narrow one: the wide counts decide short prompts' rounds, and are rarely chosen
-        after long ones."""
+        reads: `per_row` a row and a token, or, for a lone request's NARROW width timed at the
+        knots (`narrow`), what makes its call there cost what it was timed to cost over the
+        1-token call, interpolated between the knots (from nothing at PREFIX tokens) and
+        carried on at `per_row` past the last. A wider call adds `per_row` for each row past
+        the widest narrow one: the wide counts decide short prompts' rounds, and are rarely
+        chosen after long ones.
+        Not for a batch: priced as B times one request's gap at the knots, its error was B
+        times that gap's (timed as the difference of two calls' medians) and its rows take
+        the batch's path through attention, not the lone row's (exporter/attention.py). On a
+        2-core AVX-512 EPYC after 1,040 tokens, seven loads at 4 clients priced the 8-row call
+        1.27-1.74x the 4-row call where it took 1.27-1.47x (RMS error 0.27; by the line,
+        `per_row` fitted on a gap 8 rows wide, 0.11), three at 2 clients 0.17 (the line 0.03;
+        benchmarks/calibration_error.py --clients). After 4,040 and 8,040 tokens both err
+        0.1-0.2 dear: there a batch's calls swing with the machine's memory traffic."""
         longer = max(self.context - PREFIX, 0.0)
         timed = [w for w in NARROW if w <= width and all(w in t for t in self.narrow.values())]
-        if not self.narrow or not timed:
+        if not self.narrow or not timed or not lone:
             return longer * self.per_row * width
         widest = timed[-1]
         extra = max(_price(self.verify, widest) - _price(self.verify, 1), 0.0)
@@ -318,15 +328,17 @@ def measure_narrow(
     return narrow
 
 
-def time_rotated(engine: Engine, context: int, widths: list[int], rotations: int) -> dict:
-    """Each width's median call of one request after `context` tokens (slot 0, filled by
-    `fill_slots`): the widths timed back to back, `rotations` times, each first in turn, so a
-    spell of the shared machine falls on a rotation's calls alike."""
+def time_rotated(
+    engine: Engine, context: int, widths: list[int], rotations: int, batch: int = 1
+) -> dict:
+    """Each width's median call of `batch` requests after `context` tokens each (the first
+    slots, filled by `fill_slots`): the widths timed back to back, `rotations` times, each
+    first in turn, so a spell of the shared machine falls on a rotation's calls alike."""
     times: dict[int, list[float]] = {w: [] for w in widths}
     for i in range(rotations):
         k = i % len(widths)
         for width in widths[k:] + widths[:k]:
-            times[width].append(time_call(engine, context, 1, width))
+            times[width].append(time_call(engine, context, batch, width))
     return {w: float(np.median(t)) for w, t in times.items()}
 
 

@@ -49,7 +49,7 @@ def timed_ratios(engine, context: int, rotations: int, clients: int) -> dict[int
     return {w: medians[w] / medians[1] for w in WIDTHS[1:]}
 
 
-def one_load(bundle: Path, contexts: list[int], rotations: int, clients: int = 1) -> dict:
+def one_load(bundle: Path, contexts: list[int], rotations: int, clients: int) -> dict:
     """A fresh runtime's calibrated ratios at each context, the same costs' ratios without
     the narrow calls timed at the knots (the model alone: the comparison in one load), and
     the timed ones; for `clients` requests a call, each after the context (a runtime of that

@@ -80,7 +80,7 @@ def test_a_batch_is_priced_by_the_line_where_one_request_is_priced_at_the_knots(
     """The knots time one request's narrow calls. A batch's are priced by the line through the
     rows: B times one request's gap carried B times its error, and a batch's rows take another
     path through attention. The control: the same costs price a lone request's 2-token call at
-    the knots' gap (10 ms over its 1-token call), not the line's (1.5 ms + per_row)."""
+    the knots' gap (10 ms over its 1-token call), not the line's (4 ms + per_row's 4 ms)."""
     curve = {1: 0.080, 2: 0.084, 3: 0.090, 4: 0.096, 8: 0.120, 12: 0.150}
     narrow = {1024: {1: 0.0, 2: 0.006, 3: 0.020}, 4096: {1: 0.0, 2: 0.010, 3: 0.030}}
     timed = StepCosts(verify=curve, per_request=5e-6, per_row=1e-6, narrow=narrow)

@@ -173,7 +173,7 @@ class StepCosts:
         arithmetic = max(max(_price(self.verify, rows) - weights, 0.0) + attention, 0.0)
         return reads, arithmetic
 
-    def _attention(self, width: float, lone: bool = True) -> float:
+    def _attention(self, width: float, lone: bool) -> float:
         """Seconds a request's `width` rows spend on its context past PREFIX tokens, beyond the
         reads: `per_row` a row and a token, or, for a lone request's NARROW width timed at the
         knots (`narrow`), what makes its call there cost what it was timed to cost over the

@@ -5,8 +5,10 @@ per model layer, over a cache bound in place as the CPU engine binds it, in thre
 
 - `specrt`: what the exporter writes (`exporter/attention.py`, the same code): the cache laid
   out [batch, positions, kv_heads, head_dim]; a lone row bound at exactly the call's length is
-  read in place (each kv head's keys a strided matrix the fused MatMul reads), a batch sliced
-  row by row in a Loop.
+  read in place (each kv head's keys a strided matrix the fused MatMul reads), and so is each
+  row of a batch, through the row views the engine binds.
+- `specrt-copied`: the same graph with the batch's row views left unbound, as a bundle built
+  before them runs: the batch sliced row by row in a Loop, each row's context copied out.
 - `head-major`: what the exporter wrote before: new keys and values scattered into a
   [batch, kv_heads, capacity, head_dim] buffer, the buffer sliced to the call's length (a
   copy), each kv head's query heads folded into rows, QKᵀ, an additive mask, softmax, then V.
@@ -37,12 +39,13 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 from specrt import machine
-from specrt.exporter.attention import attend, call_shapes
+from specrt.bundle import row_view
+from specrt.exporter.attention import attend, call_shapes, row_views
 from specrt.files import write_result
 
-KINDS = ("specrt", "head-major", "gqa")
+KINDS = ("specrt", "specrt-copied", "head-major", "gqa")
 RUNS = 12  # decode steps timed per kind and size
-BATCH, BATCH_CONTEXT = 4, 2000  # the batched decode step: rows, each row's context
+BATCH = 4  # the batched decode step's rows
 
 
 class _Graph:
@@ -75,7 +78,8 @@ class _Graph:
 def build(kind: str, layers: int, heads: int, kv: int, hd: int) -> onnx.ModelProto:
     """The attention-only graph of one kind (see the module's docstring)."""
     g, f32, i64 = _Graph(), TensorProto.FLOAT, TensorProto.INT64
-    cache = ["B", "C", kv, hd] if kind == "specrt" else ["B", kv, "C", hd]
+    in_place = kind.startswith("specrt")
+    cache = ["B", "C", kv, hd] if in_place else ["B", kv, "C", hd]
     inputs = [
         helper.make_tensor_value_info(n, f32, ["B", "S", w * hd])
         for n, w in (("q", heads), ("k", kv), ("v", kv))
@@ -92,7 +96,7 @@ def build(kind: str, layers: int, heads: int, kv: int, hd: int) -> onnx.ModelPro
             helper.make_tensor_value_info("position_ids", i64, ["B", "S"]),
             helper.make_tensor_value_info("mask", f32, ["B", 1, 1, "S", "T"]),
         ]
-    shapes = call_shapes(g, kv, hd, 1e-6, heads // kv) if kind == "specrt" else None
+    shapes = call_shapes(g, kv, hd, 1e-6, heads // kv) if in_place else None
     outputs, x = [], "q"
     for i in range(layers):
         names = [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
@@ -115,6 +119,9 @@ def build(kind: str, layers: int, heads: int, kv: int, hd: int) -> onnx.ModelPro
         x = _layer(g, kind, i, x, shapes, heads, kv, hd)
     outputs.insert(0, helper.make_tensor_value_info("out", f32, ["B", "S", heads * hd]))
     g.op("Identity", x, out="out")
+    if in_place:
+        views, defaults = row_views(layers, kv, hd, f32)
+        inputs, g.inits = inputs + views, g.inits + defaults
     graph = helper.make_graph(g.nodes, kind, inputs, outputs, initializer=g.inits)
     opsets = [helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)]
     return helper.make_model(graph, opset_imports=opsets, ir_version=8)
@@ -128,7 +135,7 @@ def _layer(g: _Graph, kind, i, x, shapes, heads, kv, hd) -> str:
     q = g.op("Reshape", x, g.const([0, 0, kv, rep, hd]))  # [B, S, kv, rep, hd]
     q = g.op("Reshape", g.op("Transpose", q, perm=[0, 2, 3, 1, 4]), g.const([0, kv, -1, hd]))
     q = g.op("Mul", q, g.const(hd**-0.5, np.float32))  # [B, kv, rep * S, hd]
-    if kind == "specrt":
+    if kind.startswith("specrt"):
         ctx = attend(g, i, q, k, v, shapes, "mask")
     else:
         k, v = g.op("Transpose", k, perm=[0, 2, 1, 3]), g.op("Transpose", v, perm=[0, 2, 1, 3])
@@ -158,11 +165,12 @@ class Kernel:
         self.kind, self.dims, self.capacity = kind, dims, capacity
         path = folder / f"{kind}.onnx"
         onnx.save(build(kind, **dims), str(path))
+        self.in_place = kind.startswith("specrt")
         options = ort.SessionOptions()
         options.add_session_config_entry("session.force_spinning_stop", "1")  # as the engine
         self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         kv, hd = dims["kv"], dims["hd"]
-        shape = [rows, capacity, kv, hd] if kind == "specrt" else [rows, kv, capacity, hd]
+        shape = [rows, capacity, kv, hd] if self.in_place else [rows, kv, capacity, hd]
         rng = np.random.default_rng(0)  # filled: every page of the context really read
         self.caches = [
             rng.standard_normal(shape, np.float32) * 0.5 for _ in range(2 * dims["layers"])
@@ -177,9 +185,9 @@ class Kernel:
         for name, value in (("q", q), ("k", k), ("v", v), *self._lengths(lengths, width)):
             bind.bind_cpu_input(name, value)
         kv, hd, positions = self.dims["kv"], self.dims["hd"], self.capacity
-        if self.kind == "specrt" and rows == 1:  # a lone row at its length, as the engine
+        if self.in_place and rows == 1:  # a lone row at its length, as the engine
             positions = total
-        shape = [rows, positions, kv, hd] if self.kind == "specrt" else [rows, kv, positions, hd]
+        shape = [rows, positions, kv, hd] if self.in_place else [rows, kv, positions, hd]
         for j, buffer in enumerate(self.caches):
             name = f"past_key_values.{j // 2}.{('key', 'value')[j % 2]}"
             address = buffer.ctypes.data + first * buffer[0].nbytes
@@ -188,6 +196,12 @@ class Kernel:
                 (bind.bind_output, name.replace("past_key_values", "present")),
             ):
                 bind_at(bound, "cpu", 0, np.float32, shape, address)
+            if self.kind == "specrt" and rows > 1:  # each row's view, at its own length
+                for row, length in enumerate(lengths):
+                    at = address + row * buffer[0].nbytes
+                    bind.bind_input(
+                        row_view(name, row), "cpu", 0, np.float32, [1, length + width, kv, hd], at
+                    )
         self.session.run_with_iobinding(bind)
         return bind.get_outputs()[0].numpy().copy()
 
@@ -257,12 +271,12 @@ def _timed(kernels: dict, rows: int, lengths: list[int], rng) -> dict[str, float
     return {kind: round(1000 * statistics.median(times), 1) for kind, times in steps.items()}
 
 
-def measure(dims: dict, sizes: list[int], folder: Path) -> dict:
+def measure(dims: dict, sizes: list[int], batch_context: int, folder: Path) -> dict:
     rng = np.random.default_rng(1)
-    capacity = max(*sizes, BATCH_CONTEXT) + 64
+    capacity = max(*sizes, batch_context) + 64
     kernels = {kind: Kernel(kind, dims, capacity, BATCH, folder) for kind in KINDS}
     decode = {n: _timed(kernels, 1, [n], rng) for n in sizes}
-    batched = _timed(kernels, BATCH, [BATCH_CONTEXT - 7 * r for r in range(BATCH)], rng)
+    batched = _timed(kernels, BATCH, [batch_context - 7 * r for r in range(BATCH)], rng)
     return {
         kind: {
             "decode_ms": {str(n): decode[n].get(kind) for n in sizes},
@@ -276,20 +290,22 @@ def measure(dims: dict, sizes: list[int], folder: Path) -> dict:
 
 def markdown(result: dict) -> str:
     d, sizes = result["dims"], result["sizes"]
+    batched = f"{BATCH} rows at {result['batch_context']:,}"
     lines = [
         "# Attention kernels over a long cache",
         "",
         f"Attention alone, {d['layers']} layers of {d['heads']} query heads over {d['kv']} kv "
         f"heads of {d['hd']} (the default target's shape), float32, the cache bound in place. "
         f"Decode: the median of {RUNS} one-token steps of one row per context length, and of "
-        f"{BATCH} rows of about {BATCH_CONTEXT:,} positions each, the kinds interleaved. Verify "
+        f"{BATCH} rows of about {result['batch_context']:,} positions each, the kinds "
+        "interleaved. Verify "
         "= decode: a call of 4 tokens against 4 calls of one, max |difference| (0: bit for "
         "bit). Beside another row: a row of a call of 2 rows x 4 tokens against that row alone. "
         f"`{result['command']}`",
         "",
         "| form | "
         + " | ".join(f"decode at {n:,}" for n in sizes)
-        + f" | {BATCH} rows at {BATCH_CONTEXT:,} | verify = decode | beside another row |",
+        + f" | {batched} | verify = decode | beside another row |",
         "|---" * (len(sizes) + 4) + "|",
     ]
     for kind, row in result["kinds"].items():
@@ -309,20 +325,25 @@ def _ms(value: float | None) -> str:
 @click.option("--heads", default=12, show_default=True)
 @click.option("--kv-heads", default=2, show_default=True)
 @click.option("--head-dim", default=128, show_default=True)
+@click.option("--batch-context", default=2000, show_default=True, help="Each batched row's.")
 @click.option("--out", type=Path, default=Path("benchmarks/results/cpu-attention-kernels"))
-def main(sizes: str, layers: int, heads: int, kv_heads: int, head_dim: int, out: Path) -> None:
+def main(
+    sizes: str, layers: int, heads: int, kv_heads: int, head_dim: int, batch_context: int, out: Path
+) -> None:
     import tempfile
 
     dims = {"layers": layers, "heads": heads, "kv": kv_heads, "hd": head_dim}
     lengths = [int(n) for n in sizes.split(",")]
     with tempfile.TemporaryDirectory() as folder:
-        kinds = measure(dims, lengths, Path(folder))
+        kinds = measure(dims, lengths, batch_context, Path(folder))
     result = {
         "kind": "attention_kernels",
         "machine": machine.describe(),
-        "command": f"python benchmarks/attention_kernels.py --sizes {sizes}",
+        "command": f"python benchmarks/attention_kernels.py --sizes {sizes} "
+        f"--batch-context {batch_context}",
         "dims": dims,
         "sizes": lengths,
+        "batch_context": batch_context,
         "kinds": kinds,
     }
     write_result(out, result, markdown(result))

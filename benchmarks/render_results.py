@@ -29,6 +29,7 @@ RENDERERS = {
     "concurrency": "specrt.tools.concurrency",
     "attention_kernels": "attention_kernels",
     "big_target": "big_target",
+    "batch_reads": "batch_reads",
     "call_spells": "call_spells",
     "price_error": "price_error",
     "calibration_error": "calibration_error",

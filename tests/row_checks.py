@@ -118,19 +118,17 @@ def odd_row_variant(source: Path, out: Path, scale: float = 3.0) -> Path:
 
 def row_by_row_variant(source: Path, out: Path) -> Path:
     """A copy of a float32 bundle whose target scales each row's attention by 1 + 2^-10 in the
-    row-by-row path only (a batch, or a buffer bound wider than the call), never where a lone
-    row reads its cache in place: a row then scores otherwise beside others than alone."""
+    batch's paths only (its rows read through their views, or copied row by row), never where a
+    lone row reads its cache in place: a row then scores otherwise beside others than alone."""
     shutil.copytree(source, out)
     role = Bundle.load(out).role("target")
     model = onnx.load(str(role.graph), load_external_data=False)
     for node in (n for n in model.graph.node if n.op_type == "If"):
-        rows = next(a.g for a in node.attribute if a.name == "else_branch")
-        loop = next(n for n in rows.node if n.op_type == "Loop")
-        body = next(a.g for a in loop.attribute if a.name == "body")
-        row = body.output[1].name
-        body.initializer.append(numpy_helper.from_array(np.float32(1 + 2**-10), f"{row}_by"))
-        body.node.append(helper.make_node("Mul", [row, f"{row}_by"], [f"{row}_scaled"]))
-        body.output[1].name = f"{row}_scaled"
+        rows = next(a.g for a in node.attribute if a.name == "else_branch")  # views or Loop
+        row = rows.output[0].name
+        rows.initializer.append(numpy_helper.from_array(np.float32(1 + 2**-10), f"{row}_by"))
+        rows.node.append(helper.make_node("Mul", [row, f"{row}_by"], [f"{row}_scaled"]))
+        rows.output[0].name = f"{row}_scaled"
     return _save_target(out, role, model)
 
 

@@ -1,13 +1,15 @@
 """Attention over the by-position cache (exporter/attention.py): a lone row bound at exactly its
-call's length reads its cache in place, anything else goes row by row. Speculation at any batch
-composition rests on the two scoring a row bit for bit alike, so the engine's row probe
-compares a row beside another with the row alone at load, and its control must catch a graph
-whose row-by-row path differs, on every machine."""
+call's length reads its cache in place, a batch's rows read theirs in place through their row
+views, and anything else goes row by row, copied. Speculation at any batch composition rests on
+these scoring a row bit for bit alike, so the engine's row probe compares a row beside another
+with the row alone at load, and its control must catch a graph whose batch paths differ, on
+every machine."""
 
 from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import pytest
 from row_checks import attention_paths_differ, mismatches, row_by_row_variant
 
@@ -54,3 +56,43 @@ def test_the_probe_catches_a_row_by_row_path_that_differs(row_by_row_bundle):
     assert any("may differ from the target alone" in str(w.message) for w in said)
     assert OrtEngine.from_bundle(bundle, "target").row_probe == RowProbe(0.0)
     assert mismatches(bundle)  # and batched rows do differ from the rows alone
+
+
+def _batch_after_prefixes(engine: OrtEngine) -> list:
+    """Three rows of 2, 3 and 1 new tokens after prefixes of 9, 5 and 12 tokens."""
+    for slot, length in enumerate((9, 5, 12)):
+        engine.reset(slot)
+        engine.forward_rows([(slot, list(range(20 + slot, 20 + slot + length)))], last=1)
+    return engine.forward_rows([(0, [40, 41]), (1, [50, 51, 52]), (2, [60])])
+
+
+def test_a_batch_reads_its_rows_through_their_views_as_the_loop_would(bundles):
+    """A batch's rows read their caches where they lie (row views) and score bit for bit what
+    the row-by-row Loop, which copies each row out, scores. The control: views that end
+    before the call's positions (each row's new keys left out) score otherwise, so the views
+    are what is read."""
+    engine = OrtEngine.from_bundle(Bundle.load(bundles["qwen2"]), "target", slots=3)
+    assert engine._view_rows > 0
+    viewed = _batch_after_prefixes(engine)
+    engine.read_rows_in_place(False)  # as a graph without views: the Loop
+    copied = _batch_after_prefixes(engine)
+    assert all(np.array_equal(a, b) for a, b in zip(viewed, copied, strict=True))
+    engine.read_rows_in_place(True)
+    bind = engine._bind_views
+    engine._bind_views = lambda binding, first, lengths: bind(binding, first, lengths - 3)
+    short = _batch_after_prefixes(engine)
+    assert not any(np.array_equal(a, b) for a, b in zip(short, copied, strict=True))
+
+
+def test_each_constant_value_is_one_initializer(bundles):
+    """A subgraph takes every outer constant it reads as an implicit input, handed over on each
+    execution (graph.py `const`), so the builder writes each value once."""
+    import onnx
+    from onnx import numpy_helper
+
+    graph = onnx.load(str(Bundle.load(bundles["qwen2"]).role("target").graph)).graph
+    values = [
+        numpy_helper.to_array(init) for init in graph.initializer if init.name.startswith("const_")
+    ]
+    keys = [(v.dtype.str, v.shape, v.tobytes()) for v in values]
+    assert len(values) > 10 and len(set(keys)) == len(keys)

@@ -31,6 +31,17 @@ QUANTIZED = ("int8", "int4", "gguf")  # weights in MatMulNBits blocks
 # Cache positions past the max context, for the padding tokens of a batched call: a row near the
 # end of its context still gets padded to the call's width (see exporter/graph.py).
 CACHE_MARGIN = 64
+# The rows of a batched call whose caches the CPU graph reads where they lie: each has an
+# optional input per cache, `row_view(cache, row)`, that the engine binds to the row's own
+# positions (exporter/attention.py). A wider batch, or one bound without them, is copied row by row.
+VIEW_ROWS = 16
+
+
+def row_view(cache: str, row: int) -> str:
+    """The optional input through which a batched call reads one row's cache where it lies:
+    past_key_values.N.kind -> row_view.R.N.kind (outside the past_key_values names, which
+    tools take for the cache itself)."""
+    return cache.replace("past_key_values", f"row_view.{row}", 1)
 
 
 @dataclass(frozen=True)

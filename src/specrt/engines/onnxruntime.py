@@ -4,7 +4,8 @@ Each layer's key/value buffer is one OrtValue of [slots, capacity, kv_heads, hea
 through IOBinding as both the `past` input and the `present` output, so the graph scatters new
 entries into it and no step copies the cache. A call of one row binds its slot at exactly the
 call's length, so the graph's attention reads the cache in place (exporter/attention.py); a call
-of several binds their slots whole. The current length lives in Python: rollback is setting an
+of several binds their slots whole, and each row's view of them at its own length, which the
+graph's attention reads in place too. The current length lives in Python: rollback is setting an
 int, and the next call's attention_mask length tells the graph where to write. Logits land in a
 preallocated host buffer. Cache and logits take the graph's own float type (an fp16 graph keeps
 an fp16 cache); the runtime always receives float32 logits. A GPU graph's caches are laid out
@@ -25,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from specrt.bundle import Bundle
+from specrt.bundle import VIEW_ROWS, Bundle, row_view
 from specrt.engines.base import BufferCache, RowCall, check_rollback, check_room, check_slot
 from specrt.engines.cuda_graphs import CudaGraphs, widest_for
 from specrt.engines.ort_providers import (
@@ -94,6 +95,12 @@ class OrtEngine(BufferCache):
         self._cache_type = FLOAT_TYPES[args[_FIRST_CACHE].type]
         self._logits_type = FLOAT_TYPES[args["logits"].type]
         self._layout(args[_FIRST_CACHE].shape, providers, num_kv_heads, head_dim, cuda_graphs)
+        # A batch of up to this many rows reads each row's cache where it lies, through row
+        # views (exporter/attention.py); 0 for a graph without them (built before them).
+        # Inputs with a default are ONNX Runtime's "overridable initializers".
+        views = {value.name for value in self.session.get_overridable_initializers()}
+        self._views = self._in_place and row_view(_FIRST_CACHE, 0) in views
+        self._view_rows = VIEW_ROWS if self._views else 0
         self._pages: list[mmap.mmap] = []  # the CPU caches' mappings (see `release`)
         self._caches = [
             self._zeros([slots, *self._row_shape], f"past_key_values.{i}.{kind}")
@@ -121,6 +128,14 @@ class OrtEngine(BufferCache):
                 "of `specrt build --backend onnxruntime-cuda`)"
             )
         self._graphs = CudaGraphs(self.session, self.device, graphs) if graphs else None
+
+    def read_rows_in_place(self, on: bool) -> None:
+        """Let a batch's rows read their caches through their views (the default where the
+        graph has them), or copy each row out in the graph's Loop (a benchmark's baseline).
+        Off starts a fresh binding: a view left bound would still be read."""
+        self._view_rows = VIEW_ROWS if on and self._views else 0
+        if not on:
+            self._binding, self._bound = self.session.io_binding(), (0, 0, 0)
 
     def pad_to_even_rows(self, on: bool) -> None:
         """Run every later call on an even number of rows (see `_call`), or not."""
@@ -339,6 +354,8 @@ class OrtEngine(BufferCache):
         if (first, n, width) != self._bound:  # n cache rows from slot `first`, in place
             self._bind_caches(bind, first, shape)
             self._bound = (first, n, width)
+        if 1 < n <= self._view_rows:
+            self._bind_views(bind, first, positions[:, -1] + 1)
         bind.bind_cpu_input("input_ids", ids)
         # A graph by head reads a mask as wide as its caches are bound.
         bind.bind_cpu_input("attention_mask", self._mask[:n, : width if self.by_head else total])
@@ -362,6 +379,18 @@ class OrtEngine(BufferCache):
             ):
                 bind_at(bound, self.device, 0, self._cache_type, shape, buffer.data_ptr() + offset)
 
+    def _bind_views(self, binding: ort.IOBinding, first: int, lengths: np.ndarray) -> None:
+        """Each row's view of each cache, at the row's own length after this call (its past,
+        its new tokens and their padding): what its attention reads, where it lies. Views of
+        rows past the call keep an earlier call's binding; the graph does not read them."""
+        for name, buffer, _ in self._caches:
+            for row, length in enumerate(lengths.tolist()):
+                shape = [1, length, *self._row_shape[1:]]
+                address = buffer.data_ptr() + (first + row) * self._row_bytes
+                binding.bind_input(
+                    row_view(name, row), self.device, 0, self._cache_type, shape, address
+                )
+
     def _bind_whole(self, first: int, binding: ort.IOBinding, rows: int) -> list:
         """A captured call shape's caches, bound whole, and its mask, on the device."""
         self._bind_caches(binding, first, [rows, *self._row_shape])
@@ -383,6 +412,9 @@ def _session(graph: Path, providers: list, threads: int | None) -> ort.Inference
     # with this (and 28-33 with spinning off altogether).
     options.add_session_config_entry("session.force_spinning_stop", "1")
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    # Not a warning for each row view (an input with a default, which ONNX Runtime calls an
+    # initializer it cannot fold): a CPU graph has 32 a layer, by design.
+    options.log_severity_level = 3
     try:
         session = ort.InferenceSession(str(graph), options, providers=providers)
     except Exception as err:  # ORT raises its own types for corrupt or unloadable graphs

@@ -10,10 +10,17 @@ positions, head_dim]) is what lets a lone row's attention read its context witho
   `transBatchB` folds the transposes). Measured on the default target's shape, attention alone
   at 8,000 positions: 41 ms a step against 67 ms for slicing the head-major buffer
   (`benchmarks/attention_kernels.py`).
-- **Anything else** (a batch, or a buffer bound wider than the call): a Loop over the rows, each
-  row's positions sliced out once (one contiguous copy, as the head-major slice was) and then
-  the same ops on the same shapes. So a row scores the same alone and beside others, bit for bit,
-  which speculation at any batch composition rests on (the engine probes it at load).
+- **A batch of up to VIEW_ROWS rows bound with its row views**: the caches are bound whole (a
+  slot's rows are not contiguous at any other length), the new keys and values scattered into
+  them, and each row's attention then reads its own positions through an optional input per
+  cache, `row_view` (bundle.py), which the engine binds to that row's positions [1, length, kv,
+  hd] where they lie. A chain of Ifs runs the rows the call has and no more. Each row takes the
+  lone row's ops on a lone row's shapes, so it scores the same alone and beside others, bit for
+  bit, which speculation at any batch composition rests on (the engine probes it at load).
+- **Anything else** (a wider batch, a batch bound without its views, a buffer bound wider than
+  the call): a Loop over the rows, each row's positions sliced out once (one contiguous copy of
+  its context a layer) and then the same ops on the same shapes. On a shared machine that copy
+  is what swings: `benchmarks/batch_reads.py` (limits.md, the Attention item).
 
 Fused kernels were measured and not taken: ONNX Runtime's GroupQueryAttention scores a verify
 call of 4 tokens differently from 4 one-token calls and refuses a batched verify call.
@@ -25,7 +32,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
+
+from specrt.bundle import VIEW_ROWS, row_view
 
 
 @dataclass(frozen=True)
@@ -38,6 +47,7 @@ class CallShapes:
     scatter_at: str
     total: str
     exact: str  # bool scalar: one row, its buffer bound at `total` positions
+    viewed: str  # bool scalar: a batch of 2 to VIEW_ROWS rows, its row views bound
     rows: str  # scalar: the call's rows
     bound: str  # [1]: the positions its caches are bound at
     grouped: str  # [kv, rep, -1, total]: one row's scores by query head group
@@ -45,6 +55,7 @@ class CallShapes:
     eps: float
     kv: int
     head_dim: int
+    rep: int  # query heads a kv head
 
 
 def call_shapes(b, kv: int, head_dim: int, eps: float, rep: int) -> CallShapes:
@@ -57,12 +68,26 @@ def call_shapes(b, kv: int, head_dim: int, eps: float, rep: int) -> CallShapes:
     bound = b.op("Slice", b.op("Shape", "past_key_values.0.key"), b.const([1]), b.const([2]))
     lone = b.op("Equal", batch, b.const([1]))
     exact = b.op("Squeeze", b.op("And", lone, b.op("Equal", bound, total)), b.const([0]))
+    view = b.op("Shape", row_view("past_key_values.0.key", 0))  # [1, 0, kv, hd] where unbound
+    viewed = b.op("Greater", b.op("Slice", view, b.const([1]), b.const([2])), b.const([0]))
+    in_reach = b.op("LessOrEqual", batch, b.const([VIEW_ROWS]))
+    # Never a lone row: the engine binds views for batches only, so a lone row's may be stale.
+    views = b.op("And", b.op("And", viewed, in_reach), b.op("Not", lone))
+    views = b.op("Squeeze", views, b.const([0]))
     kv_shape = b.op("Concat", batch, seq, b.const([kv, head_dim]), axis=0)
     scatter_at = b.op("Expand", b.op("Unsqueeze", "position_ids", b.const([2, 3])), kv_shape)
-    grouped = b.op("Concat", b.const([kv, rep, -1]), total, axis=0)
-    flat = b.op("Concat", b.const([kv, -1]), total, axis=0)
+    grouped, flat = _score_shapes(b, kv, rep, total)
     rows = b.op("Squeeze", batch, b.const([0]))
-    return CallShapes(scatter_at, total, exact, rows, bound, grouped, flat, eps, kv, head_dim)
+    return CallShapes(
+        scatter_at, total, exact, views, rows, bound, grouped, flat, eps, kv, head_dim, rep
+    )
+
+
+def _score_shapes(b, kv: int, rep: int, total: str) -> tuple[str, str]:
+    """One row's scores by query head group, [kv, rep, -1, total], and back to rows for the
+    second MatMul, [kv, -1, total]."""
+    grouped = b.op("Concat", b.const([kv, rep, -1]), total, axis=0)
+    return grouped, b.op("Concat", b.const([kv, -1]), total, axis=0)
 
 
 def attend(b, i: int, q: str, k: str, v: str, a: CallShapes, mask: str) -> str:
@@ -83,16 +108,58 @@ def attend(b, i: int, q: str, k: str, v: str, a: CallShapes, mask: str) -> str:
     keys, values = b.op("Reshape", keys, by_position), b.op("Reshape", values, by_position)
     with b.branch() as nodes:  # one row, bound at its length: read in place
         q_row = b.op("Reshape", q, b.const([a.kv, -1, a.head_dim]))
-        row = _row(b, keys, values, q_row, b.op("Gather", mask, b.const(0), axis=0), a)
+        row_mask = b.op("Gather", mask, b.const(0), axis=0)
+        row = _row(b, keys, values, q_row, row_mask, (a.grouped, a.flat))
         lone = b.op("Unsqueeze", row, b.const([0]))
     in_place = helper.make_graph(nodes, f"layer{i}_in_place", [], [_any(lone)])
-    return b.op(
-        "If", a.exact, then_branch=in_place, else_branch=_each_row(b, i, q, keys, values, a, mask)
-    )
+    with b.branch() as nodes:
+        viewed = b.op(
+            "If",
+            a.viewed,
+            then_branch=_viewed_rows(b, i, 0, q, a, mask),
+            else_branch=_each_row(b, i, q, keys, values, a, mask),
+        )
+    batch = helper.make_graph(nodes, f"layer{i}_batch", [], [_any(viewed)])
+    return b.op("If", a.exact, then_branch=in_place, else_branch=batch)
+
+
+def _no_rows(b, q: str, name: str):
+    """A branch whose output is no rows of context, [0, kv, rep * S, hd]."""
+    with b.branch() as nodes:
+        empty = b.op("Slice", q, b.const([0]), b.const([0]), b.const([0]))
+    return helper.make_graph(nodes, name, [], [_any(empty)])
+
+
+def _viewed_rows(b, i: int, row: int, q: str, a: CallShapes, mask: str):
+    """A branch that attends rows `row`.. of the call through their row views (each a lone
+    row's ops on its own [length, kv, hd]), the next row in an If of its own so that a call
+    runs as many as it has; its output stacks them, [rows - row, kv, rep * S, hd]. The views
+    alias the caches this call's keys and values are scattered into; they are read inside the
+    If that also reads the scattered caches (`attend`), so after the scatters."""
+    by_position = b.const([-1, a.kv, a.head_dim])
+    with b.branch() as nodes:
+        views = [row_view(f"past_key_values.{i}.{kind}", row) for kind in ("key", "value")]
+        keys, values = (b.op("Reshape", view, by_position) for view in views)
+        length = b.op("Shape", views[0], start=1, end=2)
+        row_mask = b.op("Gather", mask, b.const(row), axis=0)  # [1, 1, S, total]
+        row_mask = b.op("Slice", row_mask, b.const([0]), length, b.const([-1]))
+        row_q = b.op("Gather", q, b.const(row), axis=0)
+        shapes = _score_shapes(b, a.kv, a.rep, length)
+        stacked = b.op("Unsqueeze", _row(b, keys, values, row_q, row_mask, shapes), b.const([0]))
+        if row + 1 < VIEW_ROWS:
+            more = b.op("Greater", a.rows, b.const(row + 1))
+            rest = b.op(
+                "If",
+                more,
+                then_branch=_viewed_rows(b, i, row + 1, q, a, mask),
+                else_branch=_no_rows(b, q, f"layer{i}_after_row{row}"),
+            )
+            stacked = b.op("Concat", stacked, rest, axis=0)
+    return helper.make_graph(nodes, f"layer{i}_row{row}_viewed", [], [_any(stacked)])
 
 
 def _each_row(b, i: int, q: str, keys: str, values: str, a: CallShapes, mask: str):
-    """The else branch: a Loop over the rows, each row's positions sliced out of the flattened
+    """The Loop's branch: a Loop over the rows, each row's positions sliced out of the flattened
     [B * bound, kv, hd] buffer, then the lone row's ops; its scan output stacks the rows."""
     row_index, go_on = f"layer{i}_row", f"layer{i}_go_on"
     with b.branch() as body:
@@ -102,7 +169,7 @@ def _each_row(b, i: int, q: str, keys: str, values: str, a: CallShapes, mask: st
         row_values = b.op("Slice", values, start, end, first)
         row_q = b.op("Gather", q, row_index, axis=0)
         row_mask = b.op("Gather", mask, row_index, axis=0)
-        row = _row(b, row_keys, row_values, row_q, row_mask, a)
+        row = _row(b, row_keys, row_values, row_q, row_mask, (a.grouped, a.flat))
         kept = b.op("Identity", go_on)
     loop_body = helper.make_graph(
         body,
@@ -118,18 +185,38 @@ def _each_row(b, i: int, q: str, keys: str, values: str, a: CallShapes, mask: st
     return helper.make_graph(nodes, f"layer{i}_rows", [], [_any(stacked)])
 
 
-def _row(b, keys: str, values: str, q: str, mask: str, a: CallShapes) -> str:
+def _row(b, keys: str, values: str, q: str, mask: str, shapes: tuple[str, str]) -> str:
     """One row's attention: keys and values [T, kv, hd] (each kv head's a strided matrix that
-    the fused MatMul reads in place), q [kv, rep * S, hd], mask [1, 1, S, T]; returns the
-    context [kv, rep * S, hd]."""
+    the fused MatMul reads in place), q [kv, rep * S, hd], mask [1, 1, S, T], shapes its
+    scores' (`_score_shapes` at T); returns the context [kv, rep * S, hd]."""
+    grouped, flat = shapes
     if b.cache != TensorProto.FLOAT:  # kept at half size, computed with in float32
         keys = b.op("Cast", keys, to=TensorProto.FLOAT)
         values = b.op("Cast", values, to=TensorProto.FLOAT)
     scores = b.op("MatMul", q, b.op("Transpose", keys, perm=[1, 2, 0]))  # [kv, rep * S, T]
-    scores = softcap(b, b.op("Reshape", scores, a.grouped), b.family.attention_softcap())
+    scores = softcap(b, b.op("Reshape", scores, grouped), b.family.attention_softcap())
     probs = b.op("Softmax", b.op("Add", scores, mask), axis=-1)
     values = b.op("Transpose", values, perm=[1, 0, 2])  # [kv, T, hd]
-    return b.op("MatMul", b.op("Reshape", probs, a.flat), values)
+    return b.op("MatMul", b.op("Reshape", probs, flat), values)
+
+
+def row_views(num_layers: int, kv: int, head_dim: int, cache_type: int) -> tuple[list, list]:
+    """Every cache's row views as graph inputs [1, positions, kv, hd], each with an empty
+    default ([1, 0, kv, hd], an initializer of the same name), so that a caller who binds none
+    (the export check, another tool, TensorRT's parser, which takes them as constants) gets
+    the row-by-row Loop."""
+    inputs, defaults = [], []
+    dtype = helper.tensor_dtype_to_np_dtype(cache_type)
+    for row in range(VIEW_ROWS):
+        for i in range(num_layers):
+            for kind in ("key", "value"):
+                name = row_view(f"past_key_values.{i}.{kind}", row)
+                inputs.append(
+                    helper.make_tensor_value_info(name, cache_type, [1, "positions", kv, head_dim])
+                )
+                empty = np.zeros((1, 0, kv, head_dim), dtype)
+                defaults.append(numpy_helper.from_array(empty, name))
+    return inputs, defaults
 
 
 def _any(name: str):

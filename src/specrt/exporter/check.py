@@ -69,7 +69,9 @@ def _steps(
     more send it down the row-by-row path instead (what a batch takes)."""
     import onnxruntime as ort
 
-    session = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
+    options = ort.SessionOptions()
+    options.log_severity_level = 3  # not a warning for each row view (engines/onnxruntime.py)
+    session = ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
     caches = [i for i in session.get_inputs() if i.name.startswith("past_key_values.")]
     # The positions' axis: 1 by position, 2 by head (a batched graph, which attends over its
     # caches whole and reads a mask as wide as they are).

@@ -13,14 +13,15 @@ I/O follows the optimum / GenAI naming so other tools recognise it:
     position_ids         int64 [batch, sequence]           each new token's position in its row
     logits_to_keep       int64 [1]                         score only the last n new positions
     past_key_values.N.key|value  float [batch, positions, kv_heads, head_dim]
+    row_view.R.N.key|value       float [1, positions, kv_heads, head_dim]  optional: row R's
  -> logits               float [batch, n, vocab]
     present.N.key|value  float [batch, positions, kv_heads, head_dim]
 
 Two differences from optimum's concat graphs. Past and present are the same preallocated
 buffer (the bundle's max context plus a margin for padding), bound at `positions`: a lone row's
 at exactly the call's total (its attention then reads the cache in place), otherwise at the
-buffer's whole length. And that buffer is laid out position by position, not kv head by kv head
-(see attention.py: the layout that lets a lone row's attention skip the copy).
+buffer's whole length, with each row's view of it (attention.py). And that buffer is laid out
+position by position, not kv head by kv head: the layout that lets attention skip the copy.
 
 A token's position is its cache index: each new key/value is scattered in at its own
 position_ids entry, and a token at position p attends to its row's keys 0..p. Rows therefore
@@ -44,7 +45,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from specrt.exporter.attention import CallShapes, attend, call_shapes, softcap
+from specrt.exporter.attention import CallShapes, attend, call_shapes, row_views, softcap
 from specrt.exporter.batched_attention import (
     CACHE_DIMS,
     OPSET_OF_FORM,
@@ -109,6 +110,7 @@ class _Builder:
         self.family = family
         self.nodes: list = []
         self.initializers: list = []
+        self.consts: dict = {}  # (dtype, shape, bytes) -> the initializer holding that value
         self.count = 0
         self.batch = ""  # the batch size as a 1-d tensor, set once the inputs are read
         self.cache = TensorProto.FLOAT  # the type keys and values are kept in
@@ -132,10 +134,18 @@ class _Builder:
             self.nodes = outer
 
     def const(self, value, dtype=np.int64, name: str | None = None) -> str:
+        """A constant, one initializer per value unless named: a subgraph (an If branch, a
+        Loop body) takes each outer constant it reads as an implicit input, which ONNX Runtime
+        hands over on every execution, so copies of one value cost run time."""
+        array = np.asarray(value, dtype=dtype)
+        key = (array.dtype.str, array.shape, array.tobytes())
+        if name is None and key in self.consts:
+            return self.consts[key]
         self.count += 1
-        name = name or f"const_{self.count}"
-        self.initializers.append(numpy_helper.from_array(np.asarray(value, dtype=dtype), name))
-        return name
+        self.initializers.append(numpy_helper.from_array(array, name or f"const_{self.count}"))
+        if name is None:
+            self.consts[key] = f"const_{self.count}"
+        return name or f"const_{self.count}"
 
     def weight(self, name: str, array: np.ndarray) -> str:
         self.initializers.append(self.data.tensor(name, array))
@@ -295,12 +305,16 @@ def _head(b: _Builder, x: str, embed, eps: float) -> None:
 
 
 def _save(b: _Builder, shape: ModelShape, path: Path) -> None:
+    inputs, initializers = _inputs(shape, b.cache, b.attention), b.initializers
+    if b.attention == "in_place":  # a batch's rows read where they lie (attention.py)
+        views, defaults = row_views(shape.num_layers, shape.num_kv_heads, shape.head_dim, b.cache)
+        inputs, initializers = inputs + views, initializers + defaults
     graph = helper.make_graph(
         b.nodes,
         "specrt_decoder",
-        _inputs(shape, b.cache, b.attention),
+        inputs,
         _outputs(shape, b.cache, b.attention),
-        initializer=b.initializers,
+        initializer=initializers,
     )
     opsets = [helper.make_opsetid("", OPSET_OF_FORM.get(b.attention, OPSET))]
     if any(node.domain == "com.microsoft" for node in b.nodes):

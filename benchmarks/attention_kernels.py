@@ -40,7 +40,8 @@ from onnx import TensorProto, helper
 
 from specrt import machine
 from specrt.bundle import row_view
-from specrt.exporter.attention import attend, call_shapes, row_views
+from specrt.exporter.attention import attend, call_shapes
+from specrt.exporter.graph_io import row_views
 from specrt.files import write_result
 
 KINDS = ("specrt", "specrt-copied", "head-major", "gqa")

@@ -83,6 +83,7 @@ def markdown(result: dict) -> str:
     lines = [
         "# A batch's call after long prompts: read in place against copied",
         "",
+        f"{machine.label(result['machine'])}; {result['machine']['date']}. "
         f"The target's call of {b} requests of W tokens each after N tokens each, its rows read "
         "through their views (in place) and copied out first (the Loop, the views switched "
         f"off), beside one request's call of 1 token; the median of {result['passes']} passes, "

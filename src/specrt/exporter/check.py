@@ -66,7 +66,8 @@ def _steps(
     """Yield (case name, new token ids, float32 logits) for each step, the cache carried over.
     Each call's cache is bound at exactly its length, as the engine binds a lone row: the path
     the graph's attention takes to read it in place (exporter/attention.py); `wider` positions
-    more send it down the row-by-row path instead (what a batch takes)."""
+    more send it down the row-by-row path instead (what a batch bound without its row views
+    takes)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()

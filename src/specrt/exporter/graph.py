@@ -45,9 +45,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from specrt.exporter.attention import CallShapes, attend, call_shapes, row_views, softcap
+from specrt.exporter.attention import CallShapes, attend, call_shapes, softcap
 from specrt.exporter.batched_attention import (
-    CACHE_DIMS,
     OPSET_OF_FORM,
     BatchedCall,
     attend_batched,
@@ -56,6 +55,7 @@ from specrt.exporter.batched_attention import (
 )
 from specrt.exporter.external_data import ExternalData
 from specrt.exporter.families import Family, family_of
+from specrt.exporter.graph_io import graph_inputs, graph_outputs
 from specrt.exporter.projections import FloatProjections
 from specrt.exporter.tensors import Tensors
 
@@ -142,10 +142,10 @@ class _Builder:
         if name is None and key in self.consts:
             return self.consts[key]
         self.count += 1
-        self.initializers.append(numpy_helper.from_array(array, name or f"const_{self.count}"))
         if name is None:
-            self.consts[key] = f"const_{self.count}"
-        return name or f"const_{self.count}"
+            name = self.consts[key] = f"const_{self.count}"
+        self.initializers.append(numpy_helper.from_array(array, name))
+        return name
 
     def weight(self, name: str, array: np.ndarray) -> str:
         self.initializers.append(self.data.tensor(name, array))
@@ -305,16 +305,13 @@ def _head(b: _Builder, x: str, embed, eps: float) -> None:
 
 
 def _save(b: _Builder, shape: ModelShape, path: Path) -> None:
-    inputs, initializers = _inputs(shape, b.cache, b.attention), b.initializers
-    if b.attention == "in_place":  # a batch's rows read where they lie (attention.py)
-        views, defaults = row_views(shape.num_layers, shape.num_kv_heads, shape.head_dim, b.cache)
-        inputs, initializers = inputs + views, initializers + defaults
+    inputs, defaults = graph_inputs(shape, b.cache, b.attention)
     graph = helper.make_graph(
         b.nodes,
         "specrt_decoder",
         inputs,
-        _outputs(shape, b.cache, b.attention),
-        initializer=initializers,
+        graph_outputs(shape, b.cache, b.attention),
+        initializer=b.initializers + defaults,
     )
     opsets = [helper.make_opsetid("", OPSET_OF_FORM.get(b.attention, OPSET))]
     if any(node.domain == "com.microsoft" for node in b.nodes):
@@ -419,46 +416,3 @@ def _rotary(b: _Builder, config, capacity: int, key: str | None, head_dim: int) 
     cos = b.op("Unsqueeze", pos_cos, b.const([1]))
     sin = b.op("Unsqueeze", pos_sin, b.const([1]))
     return Rotary(cos, sin, cos_table.shape[-1], head_dim)
-
-
-def _cache_dims(shape: ModelShape, attention: str) -> list:
-    """A cache buffer's dims: by position for the CPU graph, by head for a batched one."""
-    if attention == "in_place":
-        return ["batch_size", "positions", shape.num_kv_heads, shape.head_dim]
-    sizes = {"kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim}
-    return [sizes.get(dim, dim) for dim in CACHE_DIMS]
-
-
-def _inputs(shape: ModelShape, cache_type: int, attention: str) -> list:
-    cache = _cache_dims(shape, attention)
-    inputs = [
-        helper.make_tensor_value_info(
-            "input_ids", TensorProto.INT64, ["batch_size", "sequence_length"]
-        ),
-        helper.make_tensor_value_info(
-            "attention_mask", TensorProto.INT64, ["batch_size", "total_sequence_length"]
-        ),
-        helper.make_tensor_value_info(
-            "position_ids", TensorProto.INT64, ["batch_size", "sequence_length"]
-        ),
-        helper.make_tensor_value_info("logits_to_keep", TensorProto.INT64, [1]),
-    ]
-    for i in range(shape.num_layers):
-        for kind in ("key", "value"):
-            inputs.append(
-                helper.make_tensor_value_info(f"past_key_values.{i}.{kind}", cache_type, cache)
-            )
-    return inputs
-
-
-def _outputs(shape: ModelShape, cache_type: int, attention: str) -> list:
-    cache = _cache_dims(shape, attention)
-    outputs = [
-        helper.make_tensor_value_info(
-            "logits", TensorProto.FLOAT, ["batch_size", "kept", shape.vocab_size]
-        )
-    ]
-    for i in range(shape.num_layers):
-        for kind in ("key", "value"):
-            outputs.append(helper.make_tensor_value_info(f"present.{i}.{kind}", cache_type, cache))
-    return outputs

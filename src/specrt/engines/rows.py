@@ -7,9 +7,10 @@ CPUs, gives an odd last row to a one-row kernel whose results differ (up to 0.3 
 the int4 1.5B target); on AVX-512/VNNI CPUs the same build gives identical rows. So the engine
 does not assume either: at load it scores the same positions in calls of 1, 2 and 3 tokens, in
 one call of 4 and, where it holds several slots, beside another row of other lengths in one
-call (a lone row's attention reads its cache in place, a batch's slices each row out:
-exporter/attention.py), compares bit for bit, and pads every call to an even number of rows only
-where they differ (a padded row is not free: about 17 ms on the int4 1.5B target).
+call (a lone row's attention takes one path, a batch's rows another, their row views or a
+Loop: exporter/attention.py), compares bit for bit, and pads every call to an even
+number of rows only where they differ (a padded row is not free: about 17 ms on the int4 1.5B
+target).
 """
 
 from __future__ import annotations

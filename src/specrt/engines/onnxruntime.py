@@ -383,10 +383,13 @@ class OrtEngine(BufferCache):
         """Each row's view of each cache, at the row's own length after this call (its past,
         its new tokens and their padding): what its attention reads, where it lies. Views of
         rows past the call keep an earlier call's binding; the graph does not read them."""
+        rows = [
+            ([1, length, *self._row_shape[1:]], (first + row) * self._row_bytes)
+            for row, length in enumerate(lengths.tolist())
+        ]
         for name, buffer, _ in self._caches:
-            for row, length in enumerate(lengths.tolist()):
-                shape = [1, length, *self._row_shape[1:]]
-                address = buffer.data_ptr() + (first + row) * self._row_bytes
+            for row, (shape, offset) in enumerate(rows):
+                address = buffer.data_ptr() + offset
                 binding.bind_input(
                     row_view(name, row), self.device, 0, self._cache_type, shape, address
                 )

@@ -69,17 +69,17 @@ def call_shapes(b, kv: int, head_dim: int, eps: float, rep: int) -> CallShapes:
     lone = b.op("Equal", batch, b.const([1]))
     exact = b.op("Squeeze", b.op("And", lone, b.op("Equal", bound, total)), b.const([0]))
     view = b.op("Shape", row_view("past_key_values.0.key", 0))  # [1, 0, kv, hd] where unbound
-    viewed = b.op("Greater", b.op("Slice", view, b.const([1]), b.const([2])), b.const([0]))
+    bound_views = b.op("Greater", b.op("Slice", view, b.const([1]), b.const([2])), b.const([0]))
     in_reach = b.op("LessOrEqual", batch, b.const([VIEW_ROWS]))
     # Never a lone row: the engine binds views for batches only, so a lone row's may be stale.
-    views = b.op("And", b.op("And", viewed, in_reach), b.op("Not", lone))
-    views = b.op("Squeeze", views, b.const([0]))
+    viewed = b.op("And", b.op("And", bound_views, in_reach), b.op("Not", lone))
+    viewed = b.op("Squeeze", viewed, b.const([0]))
     kv_shape = b.op("Concat", batch, seq, b.const([kv, head_dim]), axis=0)
     scatter_at = b.op("Expand", b.op("Unsqueeze", "position_ids", b.const([2, 3])), kv_shape)
     grouped, flat = _score_shapes(b, kv, rep, total)
     rows = b.op("Squeeze", batch, b.const([0]))
     return CallShapes(
-        scatter_at, total, exact, views, rows, bound, grouped, flat, eps, kv, head_dim, rep
+        scatter_at, total, exact, viewed, rows, bound, grouped, flat, eps, kv, head_dim, rep
     )
 
 
